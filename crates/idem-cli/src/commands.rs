@@ -1,0 +1,117 @@
+//! The operator's commands: migrate, stats, dead letters.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use anyhow::bail;
+use idem::log::EmbeddedLog;
+use idem::store::{DeadLetter, GroupStats};
+use idem::Tables;
+
+use crate::db::{self, Db};
+use crate::{DbArgs, with_pool};
+
+/// `idem migrate`.
+pub async fn migrate(args: &DbArgs) -> anyhow::Result<ExitCode> {
+    let tables = db::tables(args)?;
+    let db = Db::open(&args.database_url, 1).await?;
+    let report = with_pool!(&db, pool => idem::migrate(pool, &tables).await?);
+    if report.applied.is_empty() {
+        println!("schema is current (version {})", report.version);
+    } else {
+        println!("applied migrations {:?}; schema version {}", report.applied, report.version);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `idem stats`.
+pub async fn stats(args: &DbArgs, json: bool) -> anyhow::Result<ExitCode> {
+    let tables = db::tables(args)?;
+    let db = Db::open(&args.database_url, 1).await?;
+    let stats = with_pool!(&db, pool => idem::store::stats(pool, &tables).await?);
+    print_stats(&stats, json)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_stats(stats: &[GroupStats], json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(stats)?);
+        return Ok(());
+    }
+    if stats.is_empty() {
+        println!("no markers and no dead letters");
+        return Ok(());
+    }
+    println!("{:<32} {:>12} {:>18} {:>12}", "consumer_group", "markers", "oldest_marker_age", "dead_letters");
+    for s in stats {
+        let age = s.oldest_marker_age_seconds.map_or("-".to_owned(), human_duration);
+        println!("{:<32} {:>12} {:>18} {:>12}", s.consumer_group, s.markers, age, s.dead_letters);
+    }
+    Ok(())
+}
+
+fn human_duration(seconds: f64) -> String {
+    match seconds {
+        s if s < 120.0 => format!("{s:.0}s"),
+        s if s < 7200.0 => format!("{:.0}m", s / 60.0),
+        s if s < 172_800.0 => format!("{:.1}h", s / 3600.0),
+        s => format!("{:.1}d", s / 86_400.0),
+    }
+}
+
+async fn dead_letters(db: &Db, tables: &Tables, group: Option<&str>, limit: i64) -> anyhow::Result<Vec<DeadLetter>> {
+    Ok(with_pool!(db, pool => idem::dead_letter::list(pool, tables, group, limit).await?))
+}
+
+/// `idem dead-letters list`.
+pub async fn list_dead_letters(args: &DbArgs, group: Option<&str>, limit: i64, json: bool) -> anyhow::Result<ExitCode> {
+    let tables = db::tables(args)?;
+    let db = Db::open(&args.database_url, 1).await?;
+    let letters = dead_letters(&db, &tables, group, limit).await?;
+    if json {
+        for letter in &letters {
+            println!("{}", serde_json::to_string(letter)?);
+        }
+    } else if letters.is_empty() {
+        println!("no dead letters");
+    } else {
+        println!("{:>6} {:<20} {:<24} {:<28} {:>8}  error", "id", "group", "event_id", "position", "attempts");
+        for l in &letters {
+            let position = format!("{}/{}@{}", l.topic, l.partition, l.offset);
+            let event_id = l.event_id.as_deref().unwrap_or("(no key)");
+            println!("{:>6} {:<20} {:<24} {:<28} {:>8}  {}", l.id, l.consumer_group, event_id, position, l.attempts, l.error);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `idem dead-letters replay`.
+pub async fn replay_dead_letters(args: &DbArgs, log_dir: &Path, ids: &[i64], all: bool, group: Option<&str>) -> anyhow::Result<ExitCode> {
+    if ids.is_empty() && !all {
+        bail!("name the dead letters to replay (ids from `idem dead-letters list`) or pass --all");
+    }
+    let tables = db::tables(args)?;
+    let db = Db::open(&args.database_url, 1).await?;
+    let log = EmbeddedLog::open(log_dir)?;
+    let producer = log.producer();
+    let letters: Vec<DeadLetter> = dead_letters(&db, &tables, group, i64::MAX)
+        .await?
+        .into_iter()
+        .filter(|l| all || ids.contains(&l.id))
+        .collect();
+    for id in ids {
+        if !letters.iter().any(|l| l.id == *id) {
+            bail!("no dead letter with id {id}; see `idem dead-letters list`");
+        }
+    }
+    let mut replayed = 0;
+    for letter in &letters {
+        let done = with_pool!(&db, pool => idem::dead_letter::replay(pool, &tables, &producer, letter).await?);
+        if done {
+            replayed += 1;
+            println!("replayed {} ({})", letter.id, letter.event_id.as_deref().unwrap_or("no key"));
+        }
+    }
+    println!("{replayed} dead letter(s) replayed");
+    Ok(ExitCode::SUCCESS)
+}

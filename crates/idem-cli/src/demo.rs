@@ -1,0 +1,520 @@
+//! `idem demo`: a payments ledger consumed with exactly-once effects while the consumer is killed.
+//!
+//! The parent process produces payment events into the embedded log (with producer retries, i.e. duplicates,
+//! and a few poison messages), then runs consumer child processes (`idem demo-worker`) one after the other.
+//! Each planned crash arms the fault injection of one child (`IDEM_FAULT`), which kills itself with SIGKILL
+//! between the database commit and the acknowledgement (or before the commit); the next child resumes from
+//! the last acknowledged offsets. At the end the ledger is checked to the cent against what was produced.
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use idem::log::{ConsumerOptions, EmbeddedLog, LogConsumer};
+use idem::{Backend, Committed, Config, Engine, Event, Handler, HandlerError, KeyExtractor, Tables};
+use serde::Serialize;
+use sqlx::{PgConnection, SqliteConnection};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::db::Db;
+use crate::with_pool;
+
+const TOPIC: &str = "payments";
+const GROUP: &str = "demo-ledger";
+const PREFIX: &str = "idem_demo_";
+const ACCOUNTS: i64 = 1000;
+
+/// Arguments of `idem demo`.
+#[derive(clap::Args, Debug)]
+pub struct DemoArgs {
+    /// Payment events to produce.
+    #[arg(long, default_value_t = 100_000)]
+    events: u64,
+    /// Percentage of events the producer sends twice (producer retries), 0 to 50.
+    #[arg(long, default_value_t = 2.0)]
+    duplicates: f64,
+    /// Times the consumer is killed with SIGKILL (every third one before the commit, the others between the
+    /// commit and the acknowledgement).
+    #[arg(long, default_value_t = 4)]
+    crashes: u32,
+    /// Messages per transaction (1: one transaction per message).
+    #[arg(long, default_value_t = 100)]
+    batch_size: usize,
+    /// Partitions of the payments topic; one worker and one connection each.
+    #[arg(long, default_value_t = 4)]
+    partitions: i32,
+    /// Run against this database instead of a fresh SQLite file (postgres://… or sqlite://…). The demo's tables
+    /// are named idem_demo_* and are recreated.
+    #[arg(long, env = "IDEM_DATABASE_URL")]
+    database_url: Option<String>,
+    /// Keep the log (and SQLite file) in this directory instead of a temporary one removed at the end.
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Seed of the event generator, for a reproducible run.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Print the summary as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Arguments of one consumer process of the demo.
+#[derive(clap::Args, Debug)]
+pub struct WorkerArgs {
+    /// The embedded log's directory.
+    #[arg(long)]
+    log_dir: PathBuf,
+    /// The database.
+    #[arg(long)]
+    database_url: String,
+    /// Messages per transaction.
+    #[arg(long, default_value_t = 100)]
+    batch_size: usize,
+    /// Connections in the pool.
+    #[arg(long, default_value_t = 5)]
+    connections: u32,
+}
+
+/// What the demo reports.
+#[derive(Debug, Default, Serialize)]
+struct Summary {
+    ok: bool,
+    database: &'static str,
+    events_produced: u64,
+    producer_duplicates: u64,
+    log_records: u64,
+    deliveries: u64,
+    processed: u64,
+    duplicates_absorbed: u64,
+    dead_lettered: u64,
+    crashes_survived: u32,
+    crashes_after_commit: u32,
+    crashes_before_commit: u32,
+    consumer_runs: u32,
+    expected_total_cents: i64,
+    actual_total_cents: i64,
+    expected_ledger_entries: i64,
+    ledger_entries: i64,
+    distinct_ledger_events: i64,
+    markers: i64,
+    dead_letter_rows: i64,
+    consume_seconds: f64,
+    throughput_per_second: f64,
+    mismatches: Vec<String>,
+}
+
+/// What the producer wrote, and so what the ledger must hold.
+#[derive(Debug, Default)]
+struct Plan {
+    events: u64,
+    producer_duplicates: u64,
+    records: u64,
+    poison: u64,
+    poison_with_key: u64,
+    expected_total: i64,
+    expected_entries: i64,
+}
+
+/// SplitMix64: a small, seedable generator, enough for a demo.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        if n == 0 { 0 } else { self.next() % n }
+    }
+}
+
+/// `idem demo`.
+pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    validate(&args)?;
+    let (dir, temporary) = match &args.dir {
+        Some(dir) => (dir.clone(), false),
+        None => (std::env::temp_dir().join(format!("idem-demo-{}", std::process::id())), true),
+    };
+    let log_dir = dir.join("log");
+    reset_dir(&dir, &log_dir)?;
+    let url = match &args.database_url {
+        Some(url) => url.clone(),
+        None => format!("sqlite://{}", dir.join("ledger.db").display()),
+    };
+    let db = Db::open(&url, 2).await?;
+    let tables = Tables::new(None, PREFIX)?;
+    prepare(&db, &tables).await?;
+
+    let seed = args.seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64));
+    let plan = produce(&log_dir, &args, seed).context("producing the events")?;
+    if !args.json {
+        eprintln!(
+            "produced {} events ({} sent twice by the producer, {} poison) into {} partitions; consuming with {} crash(es)…",
+            plan.events, plan.producer_duplicates, plan.poison, args.partitions, args.crashes
+        );
+    }
+
+    let mut summary = Summary {
+        database: if matches!(db, Db::Postgres(_)) { "postgres" } else { "sqlite" },
+        events_produced: plan.events,
+        producer_duplicates: plan.producer_duplicates,
+        log_records: plan.records,
+        expected_total_cents: plan.expected_total,
+        expected_ledger_entries: plan.expected_entries,
+        ..Summary::default()
+    };
+    let started = Instant::now();
+    consume(&args, &log_dir, &url, &plan, seed, &mut summary).await?;
+    summary.consume_seconds = started.elapsed().as_secs_f64();
+    summary.throughput_per_second = summary.deliveries as f64 / summary.consume_seconds.max(1e-9);
+    verify(&db, &plan, &mut summary).await?;
+    if temporary {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    print_summary(&summary, args.json)?;
+    Ok(if summary.ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+fn validate(args: &DemoArgs) -> anyhow::Result<()> {
+    if args.events == 0 || args.events > 100_000_000 {
+        bail!("--events {} is out of range: use 1 to 100000000", args.events);
+    }
+    if !(0.0..=50.0).contains(&args.duplicates) {
+        bail!("--duplicates {} is out of range: a percentage from 0 to 50", args.duplicates);
+    }
+    if !(1..=64).contains(&args.partitions) {
+        bail!("--partitions {} is out of range: use 1 to 64", args.partitions);
+    }
+    if args.batch_size == 0 || args.batch_size > 10_000 {
+        bail!("--batch-size {} is out of range: use 1 to 10000", args.batch_size);
+    }
+    Ok(())
+}
+
+fn reset_dir(dir: &Path, log_dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    if log_dir.exists() {
+        std::fs::remove_dir_all(log_dir).with_context(|| format!("cannot clear {}", log_dir.display()))?;
+    }
+    for file in ["ledger.db", "ledger.db-wal", "ledger.db-shm"] {
+        let path = dir.join(file);
+        if path.exists() {
+            std::fs::remove_file(&path).with_context(|| format!("cannot remove {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Recreates the demo's tables: idem's (under the idem_demo_ prefix), the accounts and the ledger. The ledger has
+/// no unique constraint on purpose: a double application must show, not be hidden by the ledger itself.
+async fn prepare(db: &Db, tables: &Tables) -> anyhow::Result<()> {
+    for table in ["processed_events", "dead_letters", "idem_migrations", "accounts", "ledger"] {
+        db.execute(&format!("DROP TABLE IF EXISTS {}", tables.table(table))).await?;
+    }
+    with_pool!(db, pool => idem::migrate(pool, tables).await?);
+    let create = format!(
+        "CREATE TABLE {accounts} (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL);
+         CREATE TABLE {ledger} (event_id TEXT NOT NULL, account BIGINT NOT NULL, amount BIGINT NOT NULL);
+         WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n WHERE x < {ACCOUNTS})
+         INSERT INTO {accounts} (id, balance) SELECT x, 0 FROM n;",
+        accounts = tables.table("accounts"),
+        ledger = tables.table("ledger"),
+    );
+    db.execute(&create).await
+
+}
+
+/// Writes the events: each payment once, some a second time a little later (a producer retry), and three
+/// poison messages: one that does not decode, one for an unknown account, one without an idempotency key.
+fn produce(log_dir: &Path, args: &DemoArgs, seed: u64) -> anyhow::Result<Plan> {
+    let log = EmbeddedLog::open(log_dir)?;
+    log.create_topic(TOPIC, args.partitions)?;
+    let producer = log.producer();
+    let mut rng = Rng(seed);
+    let mut plan = Plan::default();
+    let mut retries: Vec<(u64, i64, String)> = Vec::new();
+    let duplicate_per_million = (args.duplicates * 10_000.0) as u64;
+    let poison_at = [args.events / 4, args.events / 2, args.events * 3 / 4];
+    for n in 0..args.events {
+        let account = 1 + rng.below(ACCOUNTS as u64) as i64;
+        let amount = 1 + rng.below(100_000) as i64;
+        let payload = format!(r#"{{"idempotencyKey":"pay-{n:09}","account":{account},"amount":{amount}}}"#);
+        send(&producer, account, &payload)?;
+        plan.records += 1;
+        plan.events += 1;
+        plan.expected_total += amount;
+        plan.expected_entries += 1;
+        if rng.below(1_000_000) < duplicate_per_million {
+            retries.push((n + rng.below(50), account, payload));
+            plan.producer_duplicates += 1;
+        }
+        for (_, account, payload) in drain_due(&mut retries, n) {
+            send(&producer, account, &payload)?;
+            plan.records += 1;
+        }
+        if let Some(which) = poison_at.iter().position(|&at| at == n) {
+            let poison = match which {
+                0 => format!(r#"{{"idempotencyKey":"poison-{n}","account":1,"amount":"12.00 EUR"}}"#),
+                1 => format!(r#"{{"idempotencyKey":"poison-{n}","account":{},"amount":100}}"#, ACCOUNTS + 7),
+                _ => r#"{"account":1,"amount":100}"#.to_owned(),
+            };
+            send(&producer, 1, &poison)?;
+            plan.records += 1;
+            plan.events += 1;
+            plan.poison += 1;
+            plan.poison_with_key += u64::from(which < 2);
+        }
+    }
+    for (_, account, payload) in retries {
+        send(&producer, account, &payload)?;
+        plan.records += 1;
+    }
+    producer.flush()?;
+    Ok(plan)
+}
+
+fn drain_due(retries: &mut Vec<(u64, i64, String)>, n: u64) -> Vec<(u64, i64, String)> {
+    let (due, later): (Vec<_>, Vec<_>) = std::mem::take(retries).into_iter().partition(|(at, _, _)| *at <= n);
+    *retries = later;
+    due
+}
+
+fn send(producer: &idem::log::LogProducer, account: i64, payload: &str) -> anyhow::Result<()> {
+    producer.send(TOPIC, Some(account.to_string().as_bytes()), payload.as_bytes(), &[])?;
+    Ok(())
+}
+
+/// Runs consumer processes until one finishes the log; the planned ones are killed at their fault point.
+async fn consume(args: &DemoArgs, log_dir: &Path, url: &str, plan: &Plan, seed: u64, summary: &mut Summary) -> anyhow::Result<()> {
+    let progress = indicatif::ProgressBar::new(plan.records);
+    if args.json {
+        progress.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    progress.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} deliveries {per_sec} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let exe = std::env::current_exe().context("cannot find the idem executable to run consumers")?;
+    let mut rng = Rng(seed ^ 0x5eed);
+    let mut crashes_left = args.crashes;
+    loop {
+        let fault = (crashes_left > 0).then(|| {
+            let crash = args.crashes - crashes_left;
+            let point = if crash % 3 == 2 { "before-commit" } else { "after-commit" };
+            let left = plan.records.saturating_sub(summary.deliveries);
+            let batches_left = left / (args.batch_size as u64).max(1);
+            let at = 1 + rng.below((batches_left / u64::from(crashes_left + 1)).max(1));
+            format!("{point}:{at}")
+        });
+        let mut command = tokio::process::Command::new(&exe);
+        command
+            .arg("--log")
+            .arg("error")
+            .arg("demo-worker")
+            .arg("--log-dir")
+            .arg(log_dir)
+            .arg("--database-url")
+            .arg(url)
+            .arg("--batch-size")
+            .arg(args.batch_size.to_string())
+            .arg("--connections")
+            .arg((args.partitions + 1).to_string())
+            .stdout(Stdio::piped())
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        match &fault {
+            Some(fault) => command.env(idem::fault::FAULT_ENV, fault),
+            None => command.env_remove(idem::fault::FAULT_ENV),
+        };
+        let mut child = command.spawn().context("cannot start a consumer process")?;
+        summary.consumer_runs += 1;
+        progress.set_message(format!("consumer run {} ({})", summary.consumer_runs, fault.as_deref().unwrap_or("no fault")));
+        let stdout = child.stdout.take().context("consumer has no stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        while let Some(line) = lines.next_line().await? {
+            if let Ok(report) = serde_json::from_str::<CommitReport>(&line) {
+                summary.processed += report.processed;
+                summary.duplicates_absorbed += report.duplicate;
+                summary.dead_lettered += report.dead_lettered;
+                summary.deliveries += report.processed + report.duplicate + report.dead_lettered;
+                progress.set_position(summary.deliveries.min(plan.records));
+            }
+        }
+        let status = child.wait().await?;
+        match (status.signal(), status.code()) {
+            (Some(libc::SIGKILL), _) if fault.is_some() => {
+                crashes_left -= 1;
+                summary.crashes_survived += 1;
+                if fault.as_deref().is_some_and(|f| f.starts_with("before")) {
+                    summary.crashes_before_commit += 1;
+                } else {
+                    summary.crashes_after_commit += 1;
+                }
+                progress.println(format!("consumer killed with SIGKILL at {}; restarting", fault.as_deref().unwrap_or("?")));
+            }
+            // The log ended (before the fault point, if one was armed): done.
+            (_, Some(0)) => break,
+            _ => bail!("a consumer process failed ({status}); see its errors above"),
+        }
+        if summary.consumer_runs > args.crashes + 3 {
+            bail!("the consumers did not finish the log after {} runs", summary.consumer_runs);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    progress.finish_and_clear();
+    Ok(())
+}
+
+/// One line of a consumer's stdout: what one transaction committed.
+#[derive(Debug, Serialize, serde::Deserialize)]
+struct CommitReport {
+    processed: u64,
+    duplicate: u64,
+    dead_lettered: u64,
+}
+
+/// Compares the database with the plan; every difference is a mismatch.
+async fn verify(db: &Db, plan: &Plan, summary: &mut Summary) -> anyhow::Result<()> {
+    let tables = Tables::new(None, PREFIX)?;
+    let (accounts, ledger) = (tables.table("accounts"), tables.table("ledger"));
+    let actual_total = db.scalar(&format!("SELECT CAST(COALESCE(SUM(balance), 0) AS BIGINT) FROM {accounts}")).await?;
+    let entries = db.scalar(&format!("SELECT COUNT(*) FROM {ledger}")).await?;
+    let distinct = db.scalar(&format!("SELECT COUNT(DISTINCT event_id) FROM {ledger}")).await?;
+    let markers = db.scalar(&format!("SELECT COUNT(*) FROM {}", tables.table("processed_events"))).await?;
+    let dead = db.scalar(&format!("SELECT COUNT(*) FROM {}", tables.table("dead_letters"))).await?;
+
+    summary.actual_total_cents = actual_total;
+    summary.ledger_entries = entries;
+    summary.distinct_ledger_events = distinct;
+    summary.markers = markers;
+    summary.dead_letter_rows = dead;
+    let mut check = |ok: bool, what: String| {
+        if !ok {
+            summary.mismatches.push(what);
+        }
+    };
+    check(actual_total == plan.expected_total, format!("ledger total {actual_total} != expected {}", plan.expected_total));
+    check(entries == plan.expected_entries, format!("{entries} ledger entries != expected {}", plan.expected_entries));
+    check(distinct == entries, format!("{} events applied more than once", entries - distinct));
+    let expected_markers = plan.expected_entries + plan.poison_with_key as i64;
+    check(markers == expected_markers, format!("{markers} markers != expected {expected_markers}"));
+    check(dead == plan.poison as i64, format!("{dead} dead letters != expected {}", plan.poison));
+    check(summary.crashes_survived > 0 || summary.consumer_runs == 1, "no crash happened".into());
+    summary.ok = summary.mismatches.is_empty();
+    Ok(())
+}
+
+fn print_summary(s: &Summary, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(s)?);
+        return Ok(());
+    }
+    println!("idem demo: payments ledger on {}", s.database);
+    println!("  events produced        {:>12}  ({} sent twice by the producer)", s.events_produced, s.producer_duplicates);
+    println!("  deliveries             {:>12}  (log records: {})", s.deliveries, s.log_records);
+    println!("  processed              {:>12}", s.processed);
+    println!("  duplicates absorbed    {:>12}", s.duplicates_absorbed);
+    println!("  dead-lettered          {:>12}  (poison messages)", s.dead_lettered);
+    println!(
+        "  crashes survived       {:>12}  ({} between commit and ack, {} before commit; {} consumer runs)",
+        s.crashes_survived, s.crashes_after_commit, s.crashes_before_commit, s.consumer_runs
+    );
+    println!("  expected ledger total  {:>12}  cents in {} entries", s.expected_total_cents, s.expected_ledger_entries);
+    println!("  actual ledger total    {:>12}  cents in {} entries", s.actual_total_cents, s.ledger_entries);
+    println!("  throughput             {:>12.0}  deliveries/s ({:.1} s)", s.throughput_per_second, s.consume_seconds);
+    if s.ok {
+        println!("OK: every event applied exactly once");
+    } else {
+        for m in &s.mismatches {
+            println!("MISMATCH: {m}");
+        }
+    }
+    Ok(())
+}
+
+/// `idem demo-worker`: consumes the demo's log until its end, printing one line per commit.
+pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
+    let log = EmbeddedLog::open(&args.log_dir)?;
+    let options = ConsumerOptions { stop_at_end: true, ..ConsumerOptions::default() };
+    let source = log.consumer(GROUP, &[TOPIC], options)?;
+    let config = Config::new(GROUP, KeyExtractor::JsonPointer("/idempotencyKey".into()))
+        .batch_size(args.batch_size)
+        .tables(Tables::new(None, PREFIX)?);
+    match Db::open(&args.database_url, args.connections).await? {
+        Db::Postgres(pool) => consume_with(pool, source, config, Credit).await?,
+        Db::Sqlite(pool) => consume_with(pool, source, config, Credit).await?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn consume_with<DB: Backend, H: Handler<DB>>(pool: sqlx::Pool<DB>, source: LogConsumer, config: Config, handler: H) -> anyhow::Result<()> {
+    let engine = Engine::new(pool, config)?.on_commit(report_commit);
+    engine.run(source, handler, shutdown_signal()).await?;
+    Ok(())
+}
+
+/// Writes the commit to stdout before the acknowledgement (and before the after-commit fault point), so the
+/// parent's counts include every committed transaction even when the process is killed right after.
+fn report_commit(committed: &Committed) {
+    use std::io::Write;
+    let report = CommitReport {
+        processed: committed.processed,
+        duplicate: committed.duplicate,
+        dead_lettered: committed.dead_lettered,
+    };
+    if let Ok(line) = serde_json::to_string(&report) {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+    }
+}
+
+async fn shutdown_signal() {
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// The demo's handler: one ledger entry and one balance update per payment.
+struct Credit;
+
+#[derive(serde::Deserialize)]
+struct Payment {
+    account: i64,
+    amount: i64,
+}
+
+const INSERT_ENTRY: &str = "INSERT INTO idem_demo_ledger (event_id, account, amount) VALUES ($1, $2, $3)";
+const CREDIT: &str = "UPDATE idem_demo_accounts SET balance = balance + $1 WHERE id = $2";
+
+fn unknown_account(p: &Payment) -> HandlerError {
+    HandlerError::permanent(format!("account {} does not exist", p.account))
+}
+
+impl Handler<sqlx::Postgres> for Credit {
+    async fn handle(&self, event: &Event, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let p: Payment = event.json()?;
+        sqlx::query(INSERT_ENTRY).bind(&event.id).bind(p.account).bind(p.amount).execute(&mut *tx).await?;
+        let credited = sqlx::query(CREDIT).bind(p.amount).bind(p.account).execute(&mut *tx).await?;
+        if credited.rows_affected() != 1 {
+            return Err(unknown_account(&p));
+        }
+        Ok(())
+    }
+}
+
+impl Handler<sqlx::Sqlite> for Credit {
+    async fn handle(&self, event: &Event, tx: &mut SqliteConnection) -> Result<(), HandlerError> {
+        let p: Payment = event.json()?;
+        sqlx::query(INSERT_ENTRY).bind(&event.id).bind(p.account).bind(p.amount).execute(&mut *tx).await?;
+        let credited = sqlx::query(CREDIT).bind(p.amount).bind(p.account).execute(&mut *tx).await?;
+        if credited.rows_affected() != 1 {
+            return Err(unknown_account(&p));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,136 @@
+//! The `idem` command: a thin layer over the library. Each subcommand parses its arguments and calls one
+//! function of [`commands`] or [`demo`].
+
+mod commands;
+mod db;
+mod demo;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Exactly-once effects over at-least-once message delivery.
+#[derive(Parser)]
+#[command(name = "idem", version, about, long_about = None)]
+struct Cli {
+    /// Log level: error, warn, info, debug or trace.
+    #[arg(long, global = true, env = "IDEM_LOG", default_value = "warn")]
+    log: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Where the markers live: the database URL and the table names.
+#[derive(clap::Args, Clone, Debug)]
+pub struct DbArgs {
+    /// Database URL: postgres://user@host/db or sqlite://path.db.
+    #[arg(long, env = "IDEM_DATABASE_URL")]
+    database_url: String,
+    /// PostgreSQL schema for idem's tables (created if missing).
+    #[arg(long)]
+    schema: Option<String>,
+    /// Prefix of idem's table names, so several services can share one database.
+    #[arg(long, default_value = "")]
+    table_prefix: String,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create or upgrade idem's tables (processed_events, dead_letters); safe to run twice and concurrently.
+    Migrate {
+        #[command(flatten)]
+        db: DbArgs,
+    },
+    /// Run the payments-ledger demo: produce events with duplicates, consume them while killing the consumer,
+    /// and check the ledger to the cent.
+    Demo(demo::DemoArgs),
+    /// Hidden: one consumer process of the demo.
+    #[command(hide = true)]
+    DemoWorker(demo::WorkerArgs),
+    /// Show marker rows, the oldest marker's age and dead letters, per consumer group.
+    Stats {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List or replay dead-lettered messages.
+    #[command(subcommand)]
+    DeadLetters(DeadLetterCommand),
+}
+
+#[derive(Subcommand)]
+enum DeadLetterCommand {
+    /// List dead letters, oldest first.
+    List {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Only this consumer group.
+        #[arg(long)]
+        group: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// Print JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Replay dead letters: remove marker and row together and publish the stored message again.
+    Replay {
+        #[command(flatten)]
+        db: DbArgs,
+        /// The embedded log to publish to.
+        #[arg(long)]
+        log_dir: PathBuf,
+        /// Dead-letter ids to replay (see `list`).
+        ids: Vec<i64>,
+        /// Replay every dead letter (of --group, if given).
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+        /// Only this consumer group (with --all).
+        #[arg(long)]
+        group: Option<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let level = match cli.log.parse::<tracing::Level>() {
+        Ok(level) => level,
+        Err(_) => {
+            eprintln!("error: --log `{}` is not a level: use error, warn, info, debug or trace", cli.log);
+            return ExitCode::from(2);
+        }
+    };
+    tracing_subscriber::fmt().with_max_level(level).with_writer(std::io::stderr).init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Migrate { db } => commands::migrate(&db).await,
+            Command::Demo(args) => demo::run(args).await,
+            Command::DemoWorker(args) => demo::worker(args).await,
+            Command::Stats { db, json } => commands::stats(&db, json).await,
+            Command::DeadLetters(DeadLetterCommand::List { db, group, limit, json }) => {
+                commands::list_dead_letters(&db, group.as_deref(), limit, json).await
+            }
+            Command::DeadLetters(DeadLetterCommand::Replay { db, log_dir, ids, all, group }) => {
+                commands::replay_dead_letters(&db, &log_dir, &ids, all, group.as_deref()).await
+            }
+        }
+    });
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

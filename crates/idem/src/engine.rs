@@ -1,0 +1,672 @@
+//! The engine: the transaction order, written once.
+//!
+//! For each batch of one partition: `BEGIN` → insert the markers first (`ON CONFLICT DO NOTHING`; the row count
+//! decides) → duplicates are skipped → the handler runs on the new events in the same transaction → `COMMIT` →
+//! only then the broker acknowledgement. A permanent failure of one message rolls the batch back; the messages
+//! before it are committed again without it, the failing message is dead-lettered (its dead-letter row written
+//! in the same transaction as its marker) and the rest go on. A batch handler's failure cannot name the message
+//! at fault, so that batch is re-run one message per transaction.
+//!
+//! [`Engine::run`] consumes a [`Source`]: one task polls it and hands each partition's messages, in order, to a
+//! worker of that partition; workers of different partitions run in parallel, each on its own connection.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
+
+use sqlx::{Connection, Pool};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::config::Config;
+use crate::error::{Error, HandlerError, Retry, classify};
+use crate::fault::{FaultPoint, Faults};
+use crate::handler::{BatchHandler, Handler};
+use crate::key::MissingKey;
+use crate::message::{Event, Message};
+use crate::source::{Partition, Received, Source};
+use crate::store::{Backend, NewDeadLetter};
+
+/// What became of one message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// New: the marker was inserted and the handler's effects committed with it.
+    Processed,
+    /// Already handled: the marker existed, nothing was applied.
+    Duplicate,
+    /// Failed permanently (or ran out of retries): stored in the dead-letter table with its marker.
+    DeadLettered,
+}
+
+impl Outcome {
+    /// The label used in logs and metrics: `processed`, `duplicate`, `dead_lettered`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Processed => "processed",
+            Outcome::Duplicate => "duplicate",
+            Outcome::DeadLettered => "dead_lettered",
+        }
+    }
+}
+
+/// Counters of what the engine did since it was built. `retried` counts attempts that were rolled back and
+/// run again (the `retried` outcome); the others count messages.
+#[derive(Debug, Default)]
+pub struct Stats {
+    processed: AtomicU64,
+    duplicate: AtomicU64,
+    retried: AtomicU64,
+    dead_lettered: AtomicU64,
+}
+
+/// A copy of [`Stats`] at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StatsSnapshot {
+    /// Messages processed.
+    pub processed: u64,
+    /// Duplicates skipped.
+    pub duplicate: u64,
+    /// Attempts rolled back and retried.
+    pub retried: u64,
+    /// Messages dead-lettered.
+    pub dead_lettered: u64,
+}
+
+impl Stats {
+    /// Reads the counters.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            processed: self.processed.load(Ordering::Relaxed),
+            duplicate: self.duplicate.load(Ordering::Relaxed),
+            retried: self.retried.load(Ordering::Relaxed),
+            dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
+        }
+    }
+
+    fn count(&self, outcome: Outcome) {
+        let counter = match outcome {
+            Outcome::Processed => &self.processed,
+            Outcome::Duplicate => &self.duplicate,
+            Outcome::DeadLettered => &self.dead_lettered,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// What one committed transaction did; given to the commit observer after `COMMIT`, before acknowledgement.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Committed {
+    /// Messages whose effects committed.
+    pub processed: u64,
+    /// Duplicates skipped.
+    pub duplicate: u64,
+    /// Messages dead-lettered.
+    pub dead_lettered: u64,
+}
+
+type CommitObserver = Arc<dyn Fn(&Committed) + Send + Sync>;
+
+/// Consumes messages into a database with exactly-once effects. Cheap to clone; clones share counters.
+pub struct Engine<DB: Backend> {
+    inner: Arc<Inner<DB>>,
+}
+
+impl<DB: Backend> Clone for Engine<DB> {
+    fn clone(&self) -> Self {
+        Engine { inner: Arc::clone(&self.inner) }
+    }
+}
+
+struct Inner<DB: Backend> {
+    pool: Pool<DB>,
+    config: Config,
+    stats: Stats,
+    faults: Faults,
+    on_commit: Option<CommitObserver>,
+}
+
+/// An unsequenced unit of work: a message with its key, or a message that has none.
+enum Item {
+    Keyed(Event),
+    Unkeyed { message: Message, reason: MissingKey },
+}
+
+impl Item {
+    fn message(&self) -> &Message {
+        match self {
+            Item::Keyed(e) => &e.message,
+            Item::Unkeyed { message, .. } => message,
+        }
+    }
+}
+
+/// Why one attempt at a transaction did not commit.
+enum Failure {
+    /// The handler failed; `at` is the index of the item at fault when it is known.
+    Handler { at: Option<usize>, error: HandlerError },
+    /// idem's own statement failed.
+    Database(sqlx::Error),
+}
+
+/// Work left in a batch, in order.
+enum Step {
+    Range(Range<usize>),
+    DeadLetter { index: usize, reason: String, attempts: u32 },
+}
+
+/// The two kinds of user code behind one interface.
+trait Apply<DB: Backend>: Send + Sync {
+    /// Applies `fresh` (the new events, in order); on failure, the index into `fresh` when it is known.
+    fn apply(
+        &self,
+        fresh: &[&Event],
+        tx: &mut DB::Connection,
+    ) -> impl Future<Output = Result<(), (Option<usize>, HandlerError)>> + Send;
+}
+
+struct PerMessage<H>(H);
+struct PerBatch<B>(B);
+struct PerMessageRef<'h, H>(&'h H);
+struct PerBatchRef<'h, B>(&'h B);
+
+async fn apply_each<DB: Backend, H: Handler<DB>>(
+    handler: &H,
+    fresh: &[&Event],
+    tx: &mut DB::Connection,
+) -> Result<(), (Option<usize>, HandlerError)> {
+    for (i, event) in fresh.iter().enumerate() {
+        handler.handle(event, tx).await.map_err(|e| (Some(i), e))?;
+    }
+    Ok(())
+}
+
+async fn apply_all<DB: Backend, B: BatchHandler<DB>>(
+    handler: &B,
+    fresh: &[&Event],
+    tx: &mut DB::Connection,
+) -> Result<(), (Option<usize>, HandlerError)> {
+    if fresh.is_empty() {
+        return Ok(());
+    }
+    let at = (fresh.len() == 1).then_some(0);
+    handler.handle_batch(fresh, tx).await.map_err(|e| (at, e))
+}
+
+impl<DB: Backend, H: Handler<DB>> Apply<DB> for PerMessage<H> {
+    async fn apply(&self, fresh: &[&Event], tx: &mut DB::Connection) -> Result<(), (Option<usize>, HandlerError)> {
+        apply_each(&self.0, fresh, tx).await
+    }
+}
+
+impl<DB: Backend, H: Handler<DB>> Apply<DB> for PerMessageRef<'_, H> {
+    async fn apply(&self, fresh: &[&Event], tx: &mut DB::Connection) -> Result<(), (Option<usize>, HandlerError)> {
+        apply_each(self.0, fresh, tx).await
+    }
+}
+
+impl<DB: Backend, B: BatchHandler<DB>> Apply<DB> for PerBatch<B> {
+    async fn apply(&self, fresh: &[&Event], tx: &mut DB::Connection) -> Result<(), (Option<usize>, HandlerError)> {
+        apply_all(&self.0, fresh, tx).await
+    }
+}
+
+impl<DB: Backend, B: BatchHandler<DB>> Apply<DB> for PerBatchRef<'_, B> {
+    async fn apply(&self, fresh: &[&Event], tx: &mut DB::Connection) -> Result<(), (Option<usize>, HandlerError)> {
+        apply_all(self.0, fresh, tx).await
+    }
+}
+
+impl<DB: Backend> Engine<DB> {
+    /// An engine over `pool` (give it at least one connection per partition this process consumes). Reads the
+    /// fault-injection switch `IDEM_FAULT` (see [`crate::fault`]); refuses an invalid configuration.
+    pub fn new(pool: Pool<DB>, config: Config) -> Result<Self, Error> {
+        config.validate()?;
+        let faults = Faults::from_env()?;
+        Ok(Engine {
+            inner: Arc::new(Inner { pool, config, stats: Stats::default(), faults, on_commit: None }),
+        })
+    }
+
+    /// Calls `observer` after every `COMMIT`, before the acknowledgement (progress reporting, tests).
+    /// Must be set before the engine is cloned or run.
+    pub fn on_commit(mut self, observer: impl Fn(&Committed) + Send + Sync + 'static) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.on_commit = Some(Arc::new(observer));
+        }
+        self
+    }
+
+    /// The counters of this engine.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.inner.stats.snapshot()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// Consumes `source` with a per-message handler until the source ends, `shutdown` completes, or a
+    /// non-retryable error stops it. On shutdown, in-flight batches finish and are acknowledged; messages not yet
+    /// started are left unacknowledged, to be delivered again.
+    pub async fn run<S: Source, H: Handler<DB>>(
+        &self,
+        source: S,
+        handler: H,
+        shutdown: impl Future + Send,
+    ) -> Result<StatsSnapshot, Error> {
+        self.run_with(source, Arc::new(PerMessage(handler)), shutdown).await
+    }
+
+    /// Like [`Engine::run`] with a batch handler, which receives all new events of a batch at once.
+    pub async fn run_batched<S: Source, B: BatchHandler<DB>>(
+        &self,
+        source: S,
+        handler: B,
+        shutdown: impl Future + Send,
+    ) -> Result<StatsSnapshot, Error> {
+        self.run_with(source, Arc::new(PerBatch(handler)), shutdown).await
+    }
+
+    /// Handles `messages` (of one partition, in order) as one batch with a per-message handler, without a
+    /// source: for custom loops and tests. Returns each message's outcome; nothing is acknowledged.
+    pub async fn process<H: Handler<DB>>(&self, messages: Vec<Message>, handler: &H) -> Result<Vec<Outcome>, Error> {
+        let items = self.items(messages);
+        self.process_items(&items, &PerMessageRef(handler)).await
+    }
+
+    /// Like [`Engine::process`] with a batch handler.
+    pub async fn process_batched<B: BatchHandler<DB>>(&self, messages: Vec<Message>, handler: &B) -> Result<Vec<Outcome>, Error> {
+        let items = self.items(messages);
+        self.process_items(&items, &PerBatchRef(handler)).await
+    }
+
+    async fn run_with<S: Source, A: Apply<DB> + 'static>(
+        &self,
+        source: S,
+        apply: Arc<A>,
+        shutdown: impl Future + Send,
+    ) -> Result<StatsSnapshot, Error> {
+        let source = Arc::new(source);
+        let (fatal_tx, mut fatal_rx) = mpsc::unbounded_channel::<Error>();
+        let mut workers: HashMap<Partition, Worker> = HashMap::new();
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut source_failures = 0u32;
+        let stop_reason: Result<(), Error> = 'poll: loop {
+            tokio::select! {
+                biased;
+                error = fatal_rx.recv() => {
+                    if let Some(error) = error { break Err(error); }
+                }
+                _ = &mut shutdown => {
+                    tracing::info!(group = %self.inner.config.group, "shutdown requested: draining in-flight batches");
+                    for worker in workers.values() { worker.stopping.store(true, Ordering::SeqCst); }
+                    break Ok(());
+                }
+                received = source.recv() => match received {
+                    Ok(Some(Received::Message(message))) => {
+                        source_failures = 0;
+                        let key = Partition { topic: message.topic.clone(), partition: message.partition };
+                        let worker = workers.entry(key).or_insert_with_key(|key| {
+                            self.spawn_worker(key.clone(), Arc::clone(&source), Arc::clone(&apply), fatal_tx.clone())
+                        });
+                        if worker.queue.send(message).await.is_err() {
+                            // The worker stopped on a fatal error, which is waiting in fatal_rx.
+                            continue;
+                        }
+                    }
+                    Ok(Some(Received::Revoked { partitions, drained })) => {
+                        for partition in &partitions {
+                            if let Some(worker) = workers.remove(partition) {
+                                worker.stopping.store(true, Ordering::SeqCst);
+                                if let Err(error) = worker.finish().await {
+                                    break 'poll Err(error);
+                                }
+                            }
+                        }
+                        tracing::info!(?partitions, "revoked partitions drained");
+                        drained.done();
+                    }
+                    Ok(None) => break Ok(()),
+                    Err(error) if error.retry() == Retry::Helps => {
+                        source_failures += 1;
+                        let delay = self.inner.config.backoff_for(source_failures);
+                        tracing::warn!(%error, ?delay, "source failed; retrying");
+                        tokio::time::sleep(delay).await;
+                    }
+                    Err(error) => break Err(error.into()),
+                },
+            }
+        };
+        let mut first_error = stop_reason.err();
+        for (_, worker) in workers.drain() {
+            if let Err(error) = worker.finish().await {
+                first_error.get_or_insert(error);
+            }
+        }
+        while let Ok(error) = fatal_rx.try_recv() {
+            first_error.get_or_insert(error);
+        }
+        match first_error {
+            Some(error) => Err(error),
+            None => Ok(self.stats()),
+        }
+    }
+}
+
+/// One partition's worker: a queue in, a task that handles batches in order.
+struct Worker {
+    queue: mpsc::Sender<Message>,
+    stopping: Arc<AtomicBool>,
+    task: JoinHandle<()>,
+}
+
+impl Worker {
+    /// Closes the queue and waits for the task: the in-flight batch finishes and is acknowledged. A worker's
+    /// own errors reach the engine through its fatal channel; only a panic is returned here.
+    async fn finish(self) -> Result<(), Error> {
+        drop(self.queue);
+        self.task
+            .await
+            .map_err(|join| Error::Config(format!("a partition worker panicked (a bug in a handler or in idem): {join}")))
+    }
+}
+
+impl<DB: Backend> Engine<DB> {
+    fn spawn_worker<S: Source, A: Apply<DB> + 'static>(
+        &self,
+        partition: Partition,
+        source: Arc<S>,
+        apply: Arc<A>,
+        fatal: mpsc::UnboundedSender<Error>,
+    ) -> Worker {
+        let batch_size = self.inner.config.batch_size;
+        let (queue, mut inbox) = mpsc::channel::<Message>(batch_size * 2);
+        let stopping = Arc::new(AtomicBool::new(false));
+        let engine = self.clone();
+        let stop = Arc::clone(&stopping);
+        let task = tokio::spawn(async move {
+            tracing::debug!(topic = %partition.topic, partition = partition.partition, "partition worker started");
+            while let Some(first) = inbox.recv().await {
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                let mut batch = Vec::with_capacity(batch_size);
+                batch.push(first);
+                while batch.len() < batch_size {
+                    match inbox.try_recv() {
+                        Ok(message) => batch.push(message),
+                        Err(_) => break,
+                    }
+                }
+                let last = batch.last().map(|m| m.offset).unwrap_or_default();
+                let items = engine.items(batch);
+                if let Err(error) = engine.process_items(&items, apply.as_ref()).await {
+                    tracing::error!(%error, topic = %partition.topic, partition = partition.partition, "partition worker stopped");
+                    let _ = fatal.send(error);
+                    return;
+                }
+                engine.ack(source.as_ref(), &partition, last).await;
+            }
+        });
+        Worker { queue, stopping, task }
+    }
+
+    /// Acknowledges after commit. A failed acknowledgement loses nothing: the messages come again and are
+    /// absorbed as duplicates (a fenced consumer's late commit fails this way), so it is logged, not fatal.
+    async fn ack<S: Source>(&self, source: &S, partition: &Partition, offset: i64) {
+        if let Err(error) = source.ack(&partition.topic, partition.partition, offset).await {
+            tracing::warn!(%error, topic = %partition.topic, partition = partition.partition, offset,
+                "acknowledgement failed; the batch will be delivered again and absorbed as duplicates");
+        }
+    }
+
+    fn items(&self, messages: Vec<Message>) -> Vec<Item> {
+        let key = &self.inner.config.key;
+        messages
+            .into_iter()
+            .map(|message| match key.extract(&message) {
+                Ok(id) => Item::Keyed(Event { id, message }),
+                Err(reason) => Item::Unkeyed { message, reason },
+            })
+            .collect()
+    }
+
+    /// Handles `items` in order: commits as much of them together as possible, dead-letters the failures.
+    async fn process_items<A: Apply<DB>>(&self, items: &[Item], apply: &A) -> Result<Vec<Outcome>, Error> {
+        let mut outcomes = Vec::with_capacity(items.len());
+        let mut steps = VecDeque::from([Step::Range(0..items.len())]);
+        while let Some(step) = steps.pop_front() {
+            match step {
+                Step::DeadLetter { index, reason, attempts } => {
+                    outcomes.push(self.dead_letter(&items[index], &reason, attempts).await?);
+                }
+                Step::Range(range) if range.is_empty() => {}
+                Step::Range(range) => match self.attempt(&items[range.clone()], apply).await? {
+                    Ok(done) => outcomes.extend(done),
+                    Err((Some(at), reason, attempts)) => {
+                        // Commit what precedes the failing message, dead-letter it, then go on after it.
+                        let index = range.start + at;
+                        steps.push_front(Step::Range(index + 1..range.end));
+                        steps.push_front(Step::DeadLetter { index, reason, attempts });
+                        steps.push_front(Step::Range(range.start..index));
+                    }
+                    Err((None, reason, attempts)) if range.len() == 1 => {
+                        steps.push_front(Step::DeadLetter { index: range.start, reason, attempts });
+                    }
+                    Err((None, _, _)) => {
+                        // The failure cannot be pinned on one message: one message per transaction finds it.
+                        for index in range.rev() {
+                            steps.push_front(Step::Range(index..index + 1));
+                        }
+                    }
+                },
+            }
+        }
+        Ok(outcomes)
+    }
+
+    /// Runs one transaction over `items`, retrying what a retry can fix. `Ok(Err(..))` is a failure to isolate:
+    /// the index of the message at fault when known, the reason, and the attempts made.
+    async fn attempt<A: Apply<DB>>(
+        &self,
+        items: &[Item],
+        apply: &A,
+    ) -> Result<Result<Vec<Outcome>, (Option<usize>, String, u32)>, Error> {
+        let config = &self.inner.config;
+        let mut attempts = 0u32;
+        let mut outages = 0u32;
+        loop {
+            let started = Instant::now();
+            attempts += 1;
+            match self.transaction(items, apply).await {
+                Ok(outcomes) => {
+                    self.log_outcomes(items, &outcomes, started);
+                    return Ok(Ok(outcomes));
+                }
+                Err(Failure::Handler { at, error: HandlerError::Permanent(reason) }) => {
+                    return Ok(Err((at, reason, attempts)));
+                }
+                Err(Failure::Handler { at, error: HandlerError::Retryable(reason) }) => {
+                    if attempts >= config.max_attempts {
+                        let reason = format!("gave up after {attempts} attempts: {reason}");
+                        return Ok(Err((at, reason, attempts)));
+                    }
+                    self.inner.stats.retried.fetch_add(1, Ordering::Relaxed);
+                    let delay = config.backoff_for(attempts);
+                    tracing::warn!(group = %config.group, reason, attempt = attempts, ?delay, "retryable handler error; retrying the batch");
+                    tokio::time::sleep(delay).await;
+                }
+                Err(Failure::Database(error)) if classify(&error) == Retry::Helps => {
+                    attempts -= 1;
+                    outages += 1;
+                    self.inner.stats.retried.fetch_add(1, Ordering::Relaxed);
+                    let delay = config.backoff_for(outages);
+                    tracing::warn!(group = %config.group, %error, ?delay, "transient database error; retrying the batch");
+                    tokio::time::sleep(delay).await;
+                }
+                Err(Failure::Database(error)) => return Err(error.into()),
+            }
+        }
+    }
+
+    /// `BEGIN` → markers → handler on the new events → `COMMIT`; the whole transaction order.
+    async fn transaction<A: Apply<DB>>(&self, items: &[Item], apply: &A) -> Result<Vec<Outcome>, Failure> {
+        let inner = &self.inner;
+        let config = &inner.config;
+        let mut conn = inner.pool.acquire().await.map_err(Failure::Database)?;
+        let mut tx = conn.begin().await.map_err(Failure::Database)?;
+
+        // 1. The markers, first statement of the transaction. An id seen twice in one batch is claimed once.
+        let mut seen = HashSet::with_capacity(items.len());
+        let mut claimed: Vec<(usize, &Event)> = Vec::with_capacity(items.len());
+        for (index, item) in items.iter().enumerate() {
+            if let Item::Keyed(event) = item {
+                if seen.insert(event.id.as_str()) {
+                    claimed.push((index, event));
+                }
+            }
+        }
+        let mut outcomes = vec![Outcome::Duplicate; items.len()];
+        let mut fresh: Vec<&Event> = Vec::with_capacity(claimed.len());
+        let mut fresh_at: Vec<usize> = Vec::with_capacity(claimed.len());
+        if !claimed.is_empty() {
+            let events: Vec<&Event> = claimed.iter().map(|(_, e)| *e).collect();
+            let is_new = DB::claim(&mut tx, &config.tables, &config.group, &events).await.map_err(Failure::Database)?;
+            for ((index, event), new) in claimed.iter().zip(is_new) {
+                if new {
+                    outcomes[*index] = Outcome::Processed;
+                    fresh.push(event);
+                    fresh_at.push(*index);
+                }
+            }
+        }
+
+        // 2. Messages without a key cannot be deduplicated or handled: dead letters, in this transaction.
+        for (index, item) in items.iter().enumerate() {
+            if let Item::Unkeyed { message, reason } = item {
+                let reason = reason.to_string();
+                let letter = NewDeadLetter { event_id: None, message, error: &reason, attempts: 1 };
+                DB::dead_letter(&mut tx, &config.tables, &config.group, &letter).await.map_err(Failure::Database)?;
+                outcomes[index] = Outcome::DeadLettered;
+            }
+        }
+
+        // 3. The user's effects, in the same transaction.
+        if let Err((at, error)) = apply.apply(&fresh, &mut tx).await {
+            let _ = tx.rollback().await;
+            return Err(Failure::Handler { at: at.map(|i| fresh_at[i]), error });
+        }
+
+        // 4. COMMIT; the acknowledgement comes after, from the caller.
+        inner.faults.reached(FaultPoint::BeforeCommit);
+        if let Err(error) = tx.commit().await {
+            return Err(match classify(&error) {
+                Retry::Helps => Failure::Database(error),
+                // A deferred constraint of the handler's writes fails at COMMIT: the handler is at fault.
+                Retry::Useless if !fresh.is_empty() => Failure::Handler { at: None, error: HandlerError::Permanent(format!("commit failed: {error}")) },
+                Retry::Useless => Failure::Database(error),
+            });
+        }
+        self.committed(&outcomes);
+        inner.faults.reached(FaultPoint::AfterCommit);
+        Ok(outcomes)
+    }
+
+    /// Writes the dead letter of one message in the same transaction as its marker.
+    async fn dead_letter(&self, item: &Item, reason: &str, attempts: u32) -> Result<Outcome, Error> {
+        let config = &self.inner.config;
+        let mut outages = 0u32;
+        loop {
+            match self.dead_letter_once(item, reason, attempts).await {
+                Ok(outcome) => {
+                    let m = item.message();
+                    if outcome == Outcome::DeadLettered {
+                        tracing::warn!(group = %config.group, topic = %m.topic, partition = m.partition, offset = m.offset,
+                            event_id = ?key_of(item), reason, outcome = outcome.as_str(), "dead-lettered");
+                    }
+                    return Ok(outcome);
+                }
+                Err(error) if classify(&error) == Retry::Helps => {
+                    outages += 1;
+                    let delay = config.backoff_for(outages);
+                    tracing::warn!(%error, ?delay, "transient database error while dead-lettering; retrying");
+                    tokio::time::sleep(delay).await;
+                }
+                Err(error) => return Err(error.into()),
+            }
+        }
+    }
+
+    async fn dead_letter_once(&self, item: &Item, reason: &str, attempts: u32) -> Result<Outcome, sqlx::Error> {
+        let inner = &self.inner;
+        let config = &inner.config;
+        let mut conn = inner.pool.acquire().await?;
+        let mut tx = conn.begin().await?;
+        if let Item::Keyed(event) = item {
+            let is_new = DB::claim(&mut tx, &config.tables, &config.group, &[event]).await?;
+            if !is_new.first().copied().unwrap_or(false) {
+                // Another consumer handled it in the meantime: nothing to dead-letter.
+                tx.rollback().await?;
+                let outcomes = [Outcome::Duplicate];
+                self.committed(&outcomes);
+                return Ok(Outcome::Duplicate);
+            }
+        }
+        let letter = NewDeadLetter {
+            event_id: key_of(item),
+            message: item.message(),
+            error: reason,
+            attempts: i32::try_from(attempts).unwrap_or(i32::MAX),
+        };
+        DB::dead_letter(&mut tx, &config.tables, &config.group, &letter).await?;
+        inner.faults.reached(FaultPoint::BeforeCommit);
+        tx.commit().await?;
+        self.committed(&[Outcome::DeadLettered]);
+        inner.faults.reached(FaultPoint::AfterCommit);
+        Ok(Outcome::DeadLettered)
+    }
+
+    /// Counts a committed transaction's outcomes and tells the observer.
+    fn committed(&self, outcomes: &[Outcome]) {
+        let mut report = Committed::default();
+        for &outcome in outcomes {
+            self.inner.stats.count(outcome);
+            match outcome {
+                Outcome::Processed => report.processed += 1,
+                Outcome::Duplicate => report.duplicate += 1,
+                Outcome::DeadLettered => report.dead_lettered += 1,
+            }
+        }
+        if let Some(observer) = &self.inner.on_commit {
+            observer(&report);
+        }
+    }
+
+    fn log_outcomes(&self, items: &[Item], outcomes: &[Outcome], started: Instant) {
+        let group = &self.inner.config.group;
+        let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
+        for (item, outcome) in items.iter().zip(outcomes) {
+            let m = item.message();
+            let event_id = key_of(item).unwrap_or("");
+            match outcome {
+                Outcome::Duplicate => tracing::info!(event_id, consumer_group = %group, topic = %m.topic,
+                    partition = m.partition, offset = m.offset, outcome = outcome.as_str(), "duplicate skipped"),
+                Outcome::DeadLettered => tracing::warn!(event_id, consumer_group = %group, topic = %m.topic,
+                    partition = m.partition, offset = m.offset, outcome = outcome.as_str(), "message has no idempotency key; dead-lettered"),
+                Outcome::Processed => tracing::debug!(event_id, consumer_group = %group, topic = %m.topic,
+                    partition = m.partition, offset = m.offset, outcome = outcome.as_str(), batch_ms = elapsed_ms, "processed"),
+            }
+        }
+    }
+}
+
+fn key_of(item: &Item) -> Option<&str> {
+    match item {
+        Item::Keyed(event) => Some(event.id.as_str()),
+        Item::Unkeyed { .. } => None,
+    }
+}

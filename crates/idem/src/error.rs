@@ -1,0 +1,162 @@
+//! Errors, each saying whether a retry can help.
+//!
+//! A [`HandlerError`] is what user code returns: [`HandlerError::Retryable`] (a serialization failure, a
+//! deadlock, a lost connection, a downstream that is briefly away) is retried with capped backoff;
+//! [`HandlerError::Permanent`] (a payload that does not decode, a business rule that rejects the event) sends the
+//! message to the dead-letter table in the same transaction as its marker. `?` on a [`sqlx::Error`] inside a
+//! handler classifies it by its SQLSTATE, never by its message text.
+//!
+//! An [`Error`] is what the engine itself returns when it has to stop.
+
+use std::fmt;
+
+/// Whether retrying the same work can succeed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// The failure is transient (serialization failure 40001, deadlock 40P01, lost connection, SQLite busy).
+    Helps,
+    /// The same input will fail the same way; retrying only delays the partition.
+    Useless,
+}
+
+/// Classifies a database error: transient failures can be retried, everything else cannot.
+pub fn classify(error: &sqlx::Error) -> Retry {
+    match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_) => Retry::Helps,
+        sqlx::Error::Database(db) => match db.code().as_deref() {
+            // PostgreSQL: serialization_failure, deadlock_detected, lock_not_available, connection exceptions,
+            // admin/crash shutdown, cannot_connect_now, too_many_connections.
+            Some("40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03" | "53300") => Retry::Helps,
+            Some(code) if code.starts_with("08") => Retry::Helps,
+            // SQLite: SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their extended codes.
+            Some(code) if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() && is_sqlite_busy(code) => {
+                Retry::Helps
+            }
+            _ => Retry::Useless,
+        },
+        _ => Retry::Useless,
+    }
+}
+
+fn is_sqlite_busy(code: &str) -> bool {
+    code.parse::<i32>().map(|c| matches!(c & 0xff, 5 | 6)).unwrap_or(false)
+}
+
+/// The error a handler returns: retryable or permanent, with a reason that ends up in logs and dead letters.
+#[derive(Debug)]
+pub enum HandlerError {
+    /// Transient: the batch is rolled back and retried with capped backoff, up to the configured attempts;
+    /// after the last attempt the message is dead-lettered.
+    Retryable(String),
+    /// Permanent: the message's effects are rolled back and it is dead-lettered with this reason, in the same
+    /// transaction as its marker, so it is neither lost nor retried forever.
+    Permanent(String),
+}
+
+impl HandlerError {
+    /// A transient failure; the work is retried.
+    pub fn retryable(reason: impl fmt::Display) -> Self {
+        HandlerError::Retryable(reason.to_string())
+    }
+
+    /// A permanent failure; the message is dead-lettered.
+    pub fn permanent(reason: impl fmt::Display) -> Self {
+        HandlerError::Permanent(reason.to_string())
+    }
+
+    /// Whether a retry can help.
+    pub fn retry(&self) -> Retry {
+        match self {
+            HandlerError::Retryable(_) => Retry::Helps,
+            HandlerError::Permanent(_) => Retry::Useless,
+        }
+    }
+
+    /// The reason, as given.
+    pub fn reason(&self) -> &str {
+        match self {
+            HandlerError::Retryable(r) | HandlerError::Permanent(r) => r,
+        }
+    }
+}
+
+impl fmt::Display for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HandlerError::Retryable(r) => write!(f, "retryable: {r}"),
+            HandlerError::Permanent(r) => write!(f, "permanent: {r}"),
+        }
+    }
+}
+
+impl std::error::Error for HandlerError {}
+
+impl From<sqlx::Error> for HandlerError {
+    fn from(error: sqlx::Error) -> Self {
+        match classify(&error) {
+            Retry::Helps => HandlerError::Retryable(format!("database: {error}")),
+            Retry::Useless => HandlerError::Permanent(format!("database: {error}")),
+        }
+    }
+}
+
+impl From<serde_json::Error> for HandlerError {
+    fn from(error: serde_json::Error) -> Self {
+        HandlerError::Permanent(format!("payload does not decode: {error}"))
+    }
+}
+
+/// Why the engine, a source or a store operation stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A database error; [`Error::retry`] says whether it was transient.
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    /// The broker or the embedded log failed.
+    #[error("source: {0}")]
+    Source(#[from] crate::source::SourceError),
+    /// The configuration is invalid; the message names the field and the fix.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// The database schema is not what this version of idem expects.
+    #[error("schema: {0}")]
+    Schema(String),
+}
+
+impl Error {
+    /// Whether retrying the failed operation can succeed.
+    pub fn retry(&self) -> Retry {
+        match self {
+            Error::Database(e) => classify(e),
+            Error::Source(e) => e.retry(),
+            Error::Config(_) | Error::Schema(_) => Retry::Useless,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlite_busy_codes() {
+        assert!(is_sqlite_busy("5"));
+        assert!(is_sqlite_busy("517")); // SQLITE_BUSY_SNAPSHOT
+        assert!(is_sqlite_busy("6"));
+        assert!(!is_sqlite_busy("2067")); // SQLITE_CONSTRAINT_UNIQUE
+        assert!(!is_sqlite_busy("40001"));
+    }
+
+    #[test]
+    fn io_errors_are_retryable() {
+        let e = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert_eq!(classify(&e), Retry::Helps);
+        assert_eq!(HandlerError::from(e).retry(), Retry::Helps);
+        assert_eq!(classify(&sqlx::Error::RowNotFound), Retry::Useless);
+    }
+}

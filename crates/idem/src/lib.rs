@@ -1,0 +1,78 @@
+//! # idem: exactly-once effects over at-least-once delivery
+//!
+//! A broker hands the same event over more than once: after a crash, a rebalance, a redelivery. idem makes every
+//! duplicate harmless: it inserts a dedup marker in the **same database transaction** as your handler's effect,
+//! first statement of that transaction, and acknowledges to the broker only after that transaction committed.
+//!
+//! The smallest consumer: credit an account for each payment event read from the embedded log, in SQLite.
+//!
+//! ```no_run
+//! use idem::log::{ConsumerOptions, EmbeddedLog};
+//! use idem::{Config, Engine, Event, Handler, HandlerError, KeyExtractor};
+//! use sqlx::SqliteConnection;
+//!
+//! struct Credit;
+//!
+//! impl Handler<sqlx::Sqlite> for Credit {
+//!     async fn handle(&self, event: &Event, tx: &mut SqliteConnection) -> Result<(), HandlerError> {
+//!         #[derive(serde::Deserialize)]
+//!         struct Payment { account: i64, amount: i64 }
+//!         let p: Payment = event.json()?; // a payload that does not decode is dead-lettered
+//!         sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
+//!             .bind(p.amount)
+//!             .bind(p.account)
+//!             .execute(&mut *tx) // the transaction idem opened; the marker is already in it
+//!             .await?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # async fn example() -> Result<(), idem::Error> {
+//! let pool = idem::sqlite::connect("sqlite://ledger.db").await?;
+//! let config = Config::new("ledger-writer", "json:/idempotencyKey".parse::<KeyExtractor>().map_err(|e| idem::Error::Config(e.to_string()))?);
+//! idem::migrate(&pool, &config.tables).await?;
+//! let log = EmbeddedLog::open("events")?;
+//! let source = log.consumer("ledger-writer", &["payments"], ConsumerOptions::default())?;
+//! Engine::new(pool, config)?.run(source, Credit, tokio::signal::ctrl_c()).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## Layout
+//! * [`engine`]: the transaction order, batches, retries, dead letters, the per-partition workers.
+//! * [`handler`]: the traits user code implements ([`Handler`], [`BatchHandler`]).
+//! * [`message`] and [`key`]: the broker-neutral [`Message`], the [`Event`] a handler sees, and where its
+//!   idempotency key comes from ([`KeyExtractor`]).
+//! * [`store`]: the database seam ([`Backend`]) with its PostgreSQL and SQLite modules and migrations.
+//! * [`source`]: the broker seam ([`Source`], [`Publisher`]) and its contract; [`log`]: the embedded log.
+//! * [`dead_letter`]: listing and replaying dead letters. [`fault`]: crash injection for tests and the demo.
+//! * [`error`]: errors that say whether a retry can help.
+#![warn(missing_docs)]
+
+pub mod config;
+pub mod dead_letter;
+pub mod engine;
+pub mod error;
+pub mod fault;
+pub mod handler;
+pub mod key;
+pub mod log;
+pub mod message;
+pub mod source;
+pub mod store;
+
+pub use config::Config;
+pub use engine::{Committed, Engine, Outcome, StatsSnapshot};
+pub use error::{Error, HandlerError, Retry};
+pub use handler::{BatchHandler, Handler};
+pub use key::{KeyExtractor, MissingKey};
+pub use message::{Event, Message};
+pub use source::{Publisher, Received, Source, SourceError};
+pub use store::{Backend, Tables, postgres, sqlite};
+/// The sqlx version idem is built with; handlers use its `PgConnection` and `SqliteConnection`.
+pub use sqlx;
+pub use sqlx::{Postgres, Sqlite};
+
+/// Applies the missing migrations of `pool`'s database for `tables`; safe to run twice and from two processes.
+pub async fn migrate<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables) -> Result<store::MigrationReport, Error> {
+    DB::migrate(pool, tables).await
+}

@@ -1,0 +1,87 @@
+//! The broker-neutral message and the event the handler sees.
+//!
+//! Every source (the embedded log, Kafka, ...) turns what it received into a [`Message`]: where it came from
+//! (topic, partition, offset), its key, payload and headers. The engine extracts the idempotency key with the
+//! configured [`KeyExtractor`](crate::KeyExtractor) and hands the handler an [`Event`]: the message plus its id.
+
+use crate::error::HandlerError;
+
+/// One message as a broker delivered it, independent of the broker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// The topic (Kafka), queue or stream the message was read from.
+    pub topic: String,
+    /// The partition within the topic; sources without partitions use 0.
+    pub partition: i32,
+    /// The position of the message within its partition; strictly increasing per partition.
+    pub offset: i64,
+    /// The message key, if the producer set one.
+    pub key: Option<Vec<u8>>,
+    /// The message body.
+    pub payload: Vec<u8>,
+    /// Headers in the order the producer wrote them; a name may repeat.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// The producer's or broker's timestamp, milliseconds since the Unix epoch, when known.
+    pub timestamp_ms: Option<i64>,
+}
+
+impl Message {
+    /// A message with only a topic, partition, offset and payload; add a key or headers with the `with_` methods.
+    pub fn new(topic: impl Into<String>, partition: i32, offset: i64, payload: impl Into<Vec<u8>>) -> Self {
+        Message {
+            topic: topic.into(),
+            partition,
+            offset,
+            key: None,
+            payload: payload.into(),
+            headers: Vec::new(),
+            timestamp_ms: None,
+        }
+    }
+
+    /// Sets the message key.
+    pub fn with_key(mut self, key: impl Into<Vec<u8>>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    /// Appends a header.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// The value of the first header called `name`, if any.
+    pub fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice())
+    }
+
+    /// The broker's identity of this message: `topic/partition/offset`. Stable for as long as the topic exists;
+    /// a recreated topic restarts its offsets, so prefer a producer-assigned id (see [`crate::KeyExtractor`]).
+    pub fn broker_id(&self) -> String {
+        format!("{}/{}/{}", self.topic, self.partition, self.offset)
+    }
+}
+
+/// A message with its idempotency key: what a handler receives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    /// The idempotency key the configured extractor found; the marker is stored under it.
+    pub id: String,
+    /// The message as delivered.
+    pub message: Message,
+}
+
+impl Event {
+    /// The message body.
+    pub fn payload(&self) -> &[u8] {
+        &self.message.payload
+    }
+
+    /// Decodes the payload as JSON. A payload that does not decode is a permanent error: returned with `?` from
+    /// a handler, it sends the message to the dead-letter table with the decoder's reason.
+    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, HandlerError> {
+        serde_json::from_slice(&self.message.payload)
+            .map_err(|e| HandlerError::permanent(format!("payload is not the expected JSON: {e}")))
+    }
+}

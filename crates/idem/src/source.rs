@@ -1,0 +1,117 @@
+//! The broker seam: [`Source`] delivers messages, [`Publisher`] puts them back (dead-letter replay, producers).
+//!
+//! Implementations: the embedded log ([`crate::log`]) in this crate; Kafka and other brokers in their own
+//! modules. Every implementation must keep the contract written on [`Source`]; the engine relies on nothing else.
+
+use std::future::Future;
+
+use tokio::sync::oneshot;
+
+use crate::error::Retry;
+use crate::message::Message;
+
+/// A failure of the broker or the embedded log.
+#[derive(Debug, thiserror::Error)]
+#[error("{context}: {message}")]
+pub struct SourceError {
+    context: &'static str,
+    message: String,
+    retry: Retry,
+}
+
+impl SourceError {
+    /// A failure that may pass (a broker briefly away, a rebalance in progress).
+    pub fn transient(context: &'static str, message: impl std::fmt::Display) -> Self {
+        SourceError { context, message: message.to_string(), retry: Retry::Helps }
+    }
+
+    /// A failure that will not pass by retrying (a corrupt log, a fenced consumer, a bad configuration).
+    pub fn permanent(context: &'static str, message: impl std::fmt::Display) -> Self {
+        SourceError { context, message: message.to_string(), retry: Retry::Useless }
+    }
+
+    /// Whether a retry can help.
+    pub fn retry(&self) -> Retry {
+        self.retry
+    }
+}
+
+impl From<std::io::Error> for SourceError {
+    fn from(e: std::io::Error) -> Self {
+        SourceError::permanent("io", e)
+    }
+}
+
+/// A topic and partition.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Partition {
+    /// The topic.
+    pub topic: String,
+    /// The partition number.
+    pub partition: i32,
+}
+
+/// Tells the source that the engine has drained revoked partitions: in-flight work committed or abandoned, and
+/// every committed batch acknowledged. Dropping it without [`Drained::done`] means the same.
+#[derive(Debug)]
+pub struct Drained(Option<oneshot::Sender<()>>);
+
+impl Drained {
+    /// A drain notice and the receiver the source waits on before it lets the partitions go.
+    pub fn channel() -> (Self, oneshot::Receiver<()>) {
+        let (tx, rx) = oneshot::channel();
+        (Drained(Some(tx)), rx)
+    }
+
+    /// Signals that the partitions are drained.
+    pub fn done(mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// What [`Source::recv`] yields.
+#[derive(Debug)]
+pub enum Received {
+    /// The next message of one of the assigned partitions.
+    Message(Message),
+    /// These partitions are being taken away (rebalance, shutdown). The engine stops handing out their messages,
+    /// finishes or abandons the in-flight batch, acknowledges what committed, then signals `drained`.
+    Revoked {
+        /// The partitions going away.
+        partitions: Vec<Partition>,
+        /// Signalled when the engine has drained them.
+        drained: Drained,
+    },
+}
+
+/// A source of messages: the consumer side of a broker.
+///
+/// # Contract
+/// * **Order.** Messages of one partition are yielded in offset order. Different partitions may interleave.
+/// * **Acknowledgement after commit.** The engine calls [`Source::ack`] for a partition only after the database
+///   transaction holding the messages' markers has committed, with the offset of the last message of that
+///   transaction. An acknowledgement covers every earlier offset of the partition. Acknowledgements of one
+///   partition arrive in increasing offset order. A source must never acknowledge on its own (no auto-commit).
+/// * **Redelivery.** Messages that were not acknowledged when the consumer stopped, crashed or lost the
+///   partition are delivered again, to this consumer after a restart or to whichever member of the group gets
+///   the partition. Duplicates are expected; the markers absorb them.
+/// * **Revocation.** Before giving a partition to another consumer, the source yields [`Received::Revoked`] and
+///   waits for [`Drained`], so the new owner starts after the last acknowledgement.
+/// * **End.** `Ok(None)` means the source is finished (a bounded source that reached its end, or a shutdown);
+///   the engine drains and returns.
+pub trait Source: Send + Sync + 'static {
+    /// The next message or revocation; waits until there is one.
+    fn recv(&self) -> impl Future<Output = Result<Option<Received>, SourceError>> + Send;
+
+    /// Acknowledges every message of `topic`/`partition` up to and including `offset`.
+    fn ack(&self, topic: &str, partition: i32, offset: i64) -> impl Future<Output = Result<(), SourceError>> + Send;
+}
+
+/// The producer side of a broker: used to replay dead letters and by the producer helpers.
+pub trait Publisher: Send + Sync {
+    /// Publishes `message` to `message.topic` (its partition, offset and timestamp are chosen by the broker) and
+    /// returns once the broker has it durably.
+    fn publish(&self, message: &Message) -> impl Future<Output = Result<(), SourceError>> + Send;
+}

@@ -1,0 +1,281 @@
+//! The database seam: one trait, [`Backend`], implemented for PostgreSQL and SQLite.
+//!
+//! The engine needs few things of a database: claim markers (`INSERT … ON CONFLICT DO NOTHING`, the row count
+//! decides), write dead letters, migrate, and answer the operator's questions. Each backend module holds the
+//! same functions over its own SQL; the SQL lives in `sql/<backend>/`, written with `{t}` for the (optionally
+//! schema-qualified) table prefix and `{p}` for the bare prefix used in index names.
+
+mod migrate;
+pub mod postgres;
+pub mod sqlite;
+
+use std::future::Future;
+
+pub use migrate::{Migration, MigrationReport};
+
+use crate::error::Error;
+use crate::message::{Event, Message};
+
+/// A database idem can keep markers in: implemented for [`sqlx::Postgres`] and [`sqlx::Sqlite`].
+///
+/// Handlers receive `&mut <DB as sqlx::Database>::Connection` (a `PgConnection` or `SqliteConnection`) with the
+/// transaction already open; every write through it commits or rolls back together with the marker.
+pub trait Backend: sqlx::Database + Sized {
+    /// `postgres` or `sqlite`, for logs and errors.
+    const NAME: &'static str;
+
+    /// The migrations of this backend, in version order.
+    fn migrations() -> &'static [Migration];
+
+    /// Applies the missing migrations under a lock, so that two processes migrating at once are safe.
+    fn migrate(pool: &sqlx::Pool<Self>, tables: &Tables) -> impl Future<Output = Result<MigrationReport, Error>> + Send;
+
+    /// Inserts the markers of `events` in the open transaction, first statement of the batch, and returns for
+    /// each event whether its marker is new (`true`: handle it) or already there (`false`: a duplicate).
+    /// A marker held by a concurrent, uncommitted transaction makes this wait for that transaction's outcome.
+    fn claim(
+        conn: &mut Self::Connection,
+        tables: &Tables,
+        group: &str,
+        events: &[&Event],
+    ) -> impl Future<Output = Result<Vec<bool>, sqlx::Error>> + Send;
+
+    /// Records a dead letter in the open transaction; a second failure of the same event updates its row.
+    fn dead_letter(
+        conn: &mut Self::Connection,
+        tables: &Tables,
+        group: &str,
+        letter: &NewDeadLetter<'_>,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Marker and dead-letter figures per consumer group.
+    fn stats(pool: &sqlx::Pool<Self>, tables: &Tables) -> impl Future<Output = Result<Vec<GroupStats>, Error>> + Send;
+
+    /// Dead letters, oldest first, optionally of one group only.
+    fn dead_letters(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        group: Option<&str>,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<DeadLetter>, Error>> + Send;
+
+    /// First step of a replay, in one transaction: deletes the event's marker and marks the row `replaying`.
+    /// Returns false when the row is gone or not in a state that can be replayed.
+    fn begin_replay(pool: &sqlx::Pool<Self>, tables: &Tables, id: i64) -> impl Future<Output = Result<bool, Error>> + Send;
+
+    /// Last step of a replay: deletes the row if it is still `replaying` (a new failure would have set it back
+    /// to `dead`, and then the row stays).
+    fn finish_replay(pool: &sqlx::Pool<Self>, tables: &Tables, id: i64) -> impl Future<Output = Result<(), Error>> + Send;
+}
+
+/// Table names: an optional schema (PostgreSQL only) and a prefix, so several services can share one database.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Tables {
+    schema: Option<String>,
+    prefix: String,
+}
+
+impl Tables {
+    /// Tables named `{schema.}{prefix}processed_events` and so on. Both parts must be lower-case SQL identifiers
+    /// (`[a-z_][a-z0-9_]*`; the prefix may be empty).
+    pub fn new(schema: Option<&str>, prefix: &str) -> Result<Self, Error> {
+        if let Some(schema) = schema {
+            if !is_identifier(schema) {
+                return Err(Error::Config(format!(
+                    "schema `{schema}` is not a plain SQL identifier: use lower-case letters, digits and _, starting with a letter"
+                )));
+            }
+        }
+        if !prefix.is_empty() && !is_identifier(prefix) {
+            return Err(Error::Config(format!(
+                "table_prefix `{prefix}` is not a plain SQL identifier: use lower-case letters, digits and _ (e.g. `billing_`)"
+            )));
+        }
+        Ok(Tables {
+            schema: schema.map(str::to_owned),
+            prefix: prefix.to_owned(),
+        })
+    }
+
+    /// The schema, if one was configured.
+    pub fn schema(&self) -> Option<&str> {
+        self.schema.as_deref()
+    }
+
+    /// The qualified name of a table, e.g. `billing.svc_processed_events`.
+    pub fn table(&self, name: &str) -> String {
+        match &self.schema {
+            Some(schema) => format!("{schema}.{}{name}", self.prefix),
+            None => format!("{}{name}", self.prefix),
+        }
+    }
+
+    /// Replaces `{t}` (qualified prefix) and `{p}` (bare prefix) in a SQL template.
+    pub fn render(&self, sql: &str) -> String {
+        let qualified = match &self.schema {
+            Some(schema) => format!("{schema}.{}", self.prefix),
+            None => self.prefix.clone(),
+        };
+        sql.replace("{t}", &qualified).replace("{p}", &self.prefix)
+    }
+}
+
+fn is_identifier(s: &str) -> bool {
+    let mut chars = s.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_lowercase() || c == '_')
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && s.len() <= 40
+}
+
+/// A dead letter about to be written.
+#[derive(Debug)]
+pub struct NewDeadLetter<'a> {
+    /// The event id, when the key extractor found one.
+    pub event_id: Option<&'a str>,
+    /// The message as delivered.
+    pub message: &'a Message,
+    /// Why it is dead: the handler's permanent error, the missing key, the last retryable error.
+    pub error: &'a str,
+    /// How many times handling was attempted.
+    pub attempts: i32,
+}
+
+/// A stored dead letter.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct DeadLetter {
+    /// Row id, used by `idem dead-letters replay`.
+    pub id: i64,
+    /// The consumer group that failed it.
+    pub consumer_group: String,
+    /// The event id, when the message had one.
+    pub event_id: Option<String>,
+    /// Topic of the original delivery.
+    pub topic: String,
+    /// Partition of the original delivery.
+    pub partition: i32,
+    /// Offset of the original delivery.
+    pub offset: i64,
+    /// The message key, if any.
+    #[serde(skip)]
+    pub key: Option<Vec<u8>>,
+    /// The stored payload.
+    #[serde(serialize_with = "lossy_utf8")]
+    pub payload: Vec<u8>,
+    /// The stored headers.
+    #[serde(skip)]
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// The reason it failed.
+    pub error: String,
+    /// Attempts made.
+    pub attempts: i32,
+    /// First failure, ms since the epoch.
+    pub first_failed_at_ms: i64,
+    /// Last failure, ms since the epoch.
+    pub last_failed_at_ms: i64,
+    /// `dead`, or `replaying` while a replay is under way.
+    pub status: String,
+}
+
+fn lossy_utf8<S: serde::Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&String::from_utf8_lossy(bytes))
+}
+
+impl DeadLetter {
+    /// The message as it was delivered, ready to be published again.
+    pub fn message(&self) -> Message {
+        Message {
+            topic: self.topic.clone(),
+            partition: self.partition,
+            offset: self.offset,
+            key: self.key.clone(),
+            payload: self.payload.clone(),
+            headers: self.headers.clone(),
+            timestamp_ms: None,
+        }
+    }
+}
+
+/// Marker-table figures of one consumer group.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct GroupStats {
+    /// The consumer group.
+    pub consumer_group: String,
+    /// Markers stored.
+    pub markers: i64,
+    /// Age of the oldest marker, in seconds.
+    pub oldest_marker_age_seconds: Option<f64>,
+    /// Dead letters stored.
+    pub dead_letters: i64,
+}
+
+/// Encodes headers for the `headers` column: a JSON array of `[name, value]`, the value as text when it is
+/// UTF-8 and as `{"hex": "…"}` otherwise, so an operator can read them.
+pub(crate) fn encode_headers(headers: &[(String, Vec<u8>)]) -> String {
+    let items: Vec<serde_json::Value> = headers
+        .iter()
+        .map(|(name, value)| {
+            let value = match std::str::from_utf8(value) {
+                Ok(text) => serde_json::Value::String(text.to_owned()),
+                Err(_) => serde_json::json!({ "hex": hex(value) }),
+            };
+            serde_json::json!([name, value])
+        })
+        .collect();
+    serde_json::Value::Array(items).to_string()
+}
+
+/// The inverse of [`encode_headers`]; a column that does not decode yields no headers rather than an error.
+pub(crate) fn decode_headers(text: &str) -> Vec<(String, Vec<u8>)> {
+    let Ok(serde_json::Value::Array(items)) = serde_json::from_str::<serde_json::Value>(text) else {
+        return Vec::new();
+    };
+    items
+        .iter()
+        .filter_map(|item| {
+            let name = item.get(0)?.as_str()?.to_owned();
+            let value = match item.get(1)? {
+                serde_json::Value::String(s) => s.as_bytes().to_vec(),
+                other => unhex(other.get("hex")?.as_str()?)?,
+            };
+            Some((name, value))
+        })
+        .collect()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| s.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip() {
+        let headers = vec![("a".to_owned(), b"x".to_vec()), ("bin".to_owned(), vec![0xff, 0x00, 0x10])];
+        assert_eq!(decode_headers(&encode_headers(&headers)), headers);
+        assert!(decode_headers("garbage").is_empty());
+    }
+
+    #[test]
+    fn tables_validate_and_render() {
+        let t = Tables::new(Some("billing"), "svc_").unwrap();
+        assert_eq!(t.table("processed_events"), "billing.svc_processed_events");
+        assert_eq!(t.render("{t}x {p}y"), "billing.svc_x svc_y");
+        assert!(Tables::new(None, "bad-prefix").unwrap_err().to_string().contains("table_prefix"));
+        assert!(Tables::new(Some("Drop Table"), "").unwrap_err().to_string().contains("schema"));
+        assert_eq!(Tables::default().table("dead_letters"), "dead_letters");
+    }
+}
+
+/// Marker and dead-letter figures per consumer group (`idem stats`).
+pub async fn stats<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables) -> Result<Vec<GroupStats>, Error> {
+    DB::stats(pool, tables).await
+}

@@ -1,0 +1,219 @@
+//! PostgreSQL: markers claimed for a whole batch with one `INSERT … SELECT FROM UNNEST … ON CONFLICT DO
+//! NOTHING RETURNING`, one prepared statement whatever the batch size.
+
+use std::collections::HashSet;
+
+use sqlx::{Connection, PgConnection, Postgres, Row};
+
+use super::migrate::{split_statements, lock_key, pending};
+use super::{Backend, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Tables, decode_headers, encode_headers};
+use crate::error::Error;
+use crate::message::Event;
+
+static MIGRATIONS: [Migration; 2] = [
+    Migration {
+        version: 1,
+        name: "processed_events",
+        sql: include_str!("sql/postgres/0001_processed_events.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "dead_letters",
+        sql: include_str!("sql/postgres/0002_dead_letters.sql"),
+    },
+];
+
+impl Backend for Postgres {
+    const NAME: &'static str = "postgres";
+
+    fn migrations() -> &'static [Migration] {
+        &MIGRATIONS
+    }
+
+    async fn migrate(pool: &sqlx::PgPool, tables: &Tables) -> Result<MigrationReport, Error> {
+        let mut conn = pool.acquire().await?;
+        let mut tx = conn.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(lock_key(tables))
+            .execute(&mut *tx)
+            .await?;
+        if let Some(schema) = tables.schema() {
+            let create = format!("CREATE SCHEMA IF NOT EXISTS {schema}");
+            sqlx::query(&create).execute(&mut *tx).await?;
+        }
+        let ledger = tables.table("idem_migrations");
+        let create_ledger = format!(
+            "CREATE TABLE IF NOT EXISTS {ledger} (version int PRIMARY KEY, name text NOT NULL, \
+             checksum bigint NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+        );
+        sqlx::query(&create_ledger).execute(&mut *tx).await?;
+        let applied: Vec<(i32, i64)> = sqlx::query_as(&format!("SELECT version, checksum FROM {ledger}"))
+            .fetch_all(&mut *tx)
+            .await?;
+        let todo = pending(&MIGRATIONS, &applied)?;
+        for m in &todo {
+            let sql = tables.render(m.sql);
+            for statement in split_statements(&sql) {
+                sqlx::query(statement).execute(&mut *tx).await?;
+            }
+            sqlx::query(&format!("INSERT INTO {ledger} (version, name, checksum) VALUES ($1, $2, $3)"))
+                .bind(m.version)
+                .bind(m.name)
+                .bind(m.checksum())
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(MigrationReport {
+            applied: todo.iter().map(|m| m.version).collect(),
+            version: MIGRATIONS.len() as i32,
+        })
+    }
+
+    async fn claim(conn: &mut PgConnection, tables: &Tables, group: &str, events: &[&Event]) -> Result<Vec<bool>, sqlx::Error> {
+        let sql = tables.render(
+            r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset")
+               SELECT $1, * FROM UNNEST($2::text[], $3::text[], $4::int[], $5::bigint[])
+               ON CONFLICT (consumer_group, event_id) DO NOTHING
+               RETURNING event_id"#,
+        );
+        let ids: Vec<&str> = events.iter().map(|e| e.id.as_str()).collect();
+        let topics: Vec<&str> = events.iter().map(|e| e.message.topic.as_str()).collect();
+        let partitions: Vec<i32> = events.iter().map(|e| e.message.partition).collect();
+        let offsets: Vec<i64> = events.iter().map(|e| e.message.offset).collect();
+        let rows = sqlx::query(&sql)
+            .bind(group)
+            .bind(&ids)
+            .bind(&topics)
+            .bind(&partitions)
+            .bind(&offsets)
+            .fetch_all(conn)
+            .await?;
+        let fresh: HashSet<String> = rows.iter().map(|r| r.try_get::<String, _>(0)).collect::<Result<_, _>>()?;
+        Ok(events.iter().map(|e| fresh.contains(&e.id)).collect())
+    }
+
+    async fn dead_letter(conn: &mut PgConnection, tables: &Tables, group: &str, letter: &NewDeadLetter<'_>) -> Result<(), sqlx::Error> {
+        let conflict = if letter.event_id.is_some() {
+            "(consumer_group, event_id)"
+        } else {
+            r#"(consumer_group, topic, partition, "offset") WHERE event_id IS NULL"#
+        };
+        let sql = tables.render(&format!(
+            r#"INSERT INTO {{t}}dead_letters AS d
+                 (consumer_group, event_id, topic, partition, "offset", key, payload, headers, error, attempts)
+               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+               ON CONFLICT {conflict} DO UPDATE SET
+                 topic = excluded.topic, partition = excluded.partition, "offset" = excluded."offset",
+                 key = excluded.key, payload = excluded.payload, headers = excluded.headers,
+                 error = excluded.error, attempts = d.attempts + excluded.attempts,
+                 last_failed_at = now(), status = 'dead'"#
+        ));
+        let m = letter.message;
+        sqlx::query(&sql)
+            .bind(group)
+            .bind(letter.event_id)
+            .bind(&m.topic)
+            .bind(m.partition)
+            .bind(m.offset)
+            .bind(m.key.as_deref())
+            .bind(&m.payload)
+            .bind(encode_headers(&m.headers))
+            .bind(letter.error)
+            .bind(letter.attempts)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn stats(pool: &sqlx::PgPool, tables: &Tables) -> Result<Vec<GroupStats>, Error> {
+        let sql = tables.render(
+            r#"WITH m AS (SELECT consumer_group, count(*) AS markers,
+                                 EXTRACT(EPOCH FROM now() - min(processed_at))::float8 AS oldest
+                            FROM {t}processed_events GROUP BY consumer_group),
+                    d AS (SELECT consumer_group, count(*) AS dead FROM {t}dead_letters GROUP BY consumer_group)
+               SELECT coalesce(m.consumer_group, d.consumer_group), coalesce(m.markers, 0), m.oldest, coalesce(d.dead, 0)
+                 FROM m FULL JOIN d ON m.consumer_group = d.consumer_group ORDER BY 1"#,
+        );
+        let rows: Vec<(String, i64, Option<f64>, i64)> = sqlx::query_as(&sql).fetch_all(pool).await?;
+        Ok(rows
+            .into_iter()
+            .map(|(consumer_group, markers, oldest_marker_age_seconds, dead_letters)| GroupStats {
+                consumer_group,
+                markers,
+                oldest_marker_age_seconds,
+                dead_letters,
+            })
+            .collect())
+    }
+
+    async fn dead_letters(pool: &sqlx::PgPool, tables: &Tables, group: Option<&str>, limit: i64) -> Result<Vec<DeadLetter>, Error> {
+        let sql = tables.render(
+            r#"SELECT id, consumer_group, event_id, topic, partition, "offset", key, payload, headers, error, attempts,
+                      (EXTRACT(EPOCH FROM first_failed_at) * 1000)::bigint,
+                      (EXTRACT(EPOCH FROM last_failed_at) * 1000)::bigint, status
+                 FROM {t}dead_letters WHERE $1::text IS NULL OR consumer_group = $1 ORDER BY id LIMIT $2"#,
+        );
+        let rows = sqlx::query(&sql).bind(group).bind(limit).fetch_all(pool).await?;
+        rows.iter().map(dead_letter_from_row).collect::<Result<_, sqlx::Error>>().map_err(Error::from)
+    }
+
+    async fn begin_replay(pool: &sqlx::PgPool, tables: &Tables, id: i64) -> Result<bool, Error> {
+        let mut tx = pool.begin().await?;
+        let row: Option<(String, Option<String>)> = sqlx::query_as(&tables.render(
+            "UPDATE {t}dead_letters SET status = 'replaying' WHERE id = $1 RETURNING consumer_group, event_id",
+        ))
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((group, event_id)) = row else {
+            return Ok(false);
+        };
+        if let Some(event_id) = event_id {
+            sqlx::query(&tables.render("DELETE FROM {t}processed_events WHERE consumer_group = $1 AND event_id = $2"))
+                .bind(group)
+                .bind(event_id)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn finish_replay(pool: &sqlx::PgPool, tables: &Tables, id: i64) -> Result<(), Error> {
+        sqlx::query(&tables.render("DELETE FROM {t}dead_letters WHERE id = $1 AND status = 'replaying'"))
+            .bind(id)
+            .execute(pool)
+            .await?;
+        Ok(())
+    }
+}
+
+fn dead_letter_from_row(row: &sqlx::postgres::PgRow) -> Result<DeadLetter, sqlx::Error> {
+    Ok(DeadLetter {
+        id: row.try_get(0)?,
+        consumer_group: row.try_get(1)?,
+        event_id: row.try_get(2)?,
+        topic: row.try_get(3)?,
+        partition: row.try_get(4)?,
+        offset: row.try_get(5)?,
+        key: row.try_get(6)?,
+        payload: row.try_get(7)?,
+        headers: decode_headers(&row.try_get::<String, _>(8)?),
+        error: row.try_get(9)?,
+        attempts: row.try_get(10)?,
+        first_failed_at_ms: row.try_get(11)?,
+        last_failed_at_ms: row.try_get(12)?,
+        status: row.try_get(13)?,
+    })
+}
+
+/// Connects to PostgreSQL with a pool of `max_connections` (at least one per partition consumed at once, plus
+/// one for housekeeping).
+pub async fn connect(url: &str, max_connections: u32) -> Result<sqlx::PgPool, Error> {
+    Ok(sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max_connections.max(1))
+        .acquire_timeout(std::time::Duration::from_secs(30))
+        .connect(url)
+        .await?)
+}
