@@ -1,0 +1,242 @@
+//! Shared test fixtures: a fresh PostgreSQL database or SQLite file per test, a ledger handler, helpers.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use idem::{Backend, Config, Event, Handler, HandlerError, KeyExtractor, Message};
+use sqlx::{Connection, PgConnection, SqliteConnection};
+
+/// The server tests run against; each test gets a database of its own on it.
+pub fn pg_server() -> String {
+    std::env::var("IDEM_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_owned())
+}
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+fn unique_name(kind: &str) -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    format!("idem_{kind}_{}_{}_{nanos}", std::process::id(), COUNTER.fetch_add(1, Ordering::SeqCst))
+}
+
+/// A fresh PostgreSQL database, dropped when the value is dropped.
+pub struct TestPg {
+    pub pool: sqlx::PgPool,
+    pub url: String,
+    name: String,
+}
+
+pub async fn pg() -> TestPg {
+    let server = pg_server();
+    let name = unique_name("t");
+    let mut admin = PgConnection::connect(&format!("{server}/postgres")).await.expect("PostgreSQL must run on 127.0.0.1:5432");
+    sqlx::raw_sql(&format!("CREATE DATABASE {name}")).execute(&mut admin).await.expect("create test database");
+    let url = format!("{server}/{name}");
+    let pool = idem::postgres::connect(&url, 8).await.expect("connect to test database");
+    TestPg { pool, url, name }
+}
+
+impl Drop for TestPg {
+    fn drop(&mut self) {
+        let server = pg_server();
+        let name = self.name.clone();
+        let pool = self.pool.clone();
+        // Drop runs outside async code: a short-lived runtime on its own thread drops the database.
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            rt.block_on(async move {
+                pool.close().await;
+                if let Ok(mut admin) = PgConnection::connect(&format!("{server}/postgres")).await {
+                    let _ = sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut admin).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// A fresh SQLite file, removed when the value is dropped.
+pub struct TestSqlite {
+    pub pool: sqlx::SqlitePool,
+    pub path: std::path::PathBuf,
+}
+
+pub async fn sqlite() -> TestSqlite {
+    let path = std::env::temp_dir().join(format!("{}.db", unique_name("s")));
+    let pool = idem::sqlite::connect(&format!("sqlite://{}", path.display())).await.expect("open sqlite");
+    TestSqlite { pool, path }
+}
+
+impl Drop for TestSqlite {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", self.path.display()));
+        }
+    }
+}
+
+/// A temporary directory for an embedded log.
+pub struct TempDir(pub std::path::PathBuf);
+
+pub fn temp_dir() -> TempDir {
+    let path = std::env::temp_dir().join(unique_name("log"));
+    std::fs::create_dir_all(&path).expect("create temp dir");
+    TempDir(path)
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Queries that read the same on both backends.
+pub trait TestPool: Send + Sync {
+    fn exec(&self, sql: &str) -> impl Future<Output = ()> + Send;
+    fn scalar(&self, sql: &str) -> impl Future<Output = i64> + Send;
+}
+
+impl TestPool for sqlx::PgPool {
+    async fn exec(&self, sql: &str) {
+        sqlx::raw_sql(sql).execute(self).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    async fn scalar(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sql).fetch_one(self).await.unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+}
+
+impl TestPool for sqlx::SqlitePool {
+    async fn exec(&self, sql: &str) {
+        sqlx::raw_sql(sql).execute(self).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    async fn scalar(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sql).fetch_one(self).await.unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+}
+
+/// idem's tables and the test ledger: `ledger(event_id, amount)` with no unique constraint, so a double
+/// application shows as two rows; `blocked(id)` makes the ledger refuse an event until it is unblocked.
+pub async fn setup<DB: Backend>(pool: &sqlx::Pool<DB>)
+where
+    sqlx::Pool<DB>: TestPool,
+{
+    idem::migrate(pool, &idem::Tables::default()).await.expect("migrate");
+    pool.exec("CREATE TABLE ledger (event_id TEXT NOT NULL, amount BIGINT NOT NULL); CREATE TABLE blocked (id TEXT PRIMARY KEY);")
+        .await;
+}
+
+pub fn config(batch_size: usize) -> Config {
+    Config::new("ledger-writer", KeyExtractor::JsonPointer("/id".into()))
+        .batch_size(batch_size)
+        .backoff(Duration::from_millis(5), Duration::from_millis(20))
+}
+
+/// A payment message: `{"id": id, "amount": amount}` plus extra JSON fields.
+pub fn payment(partition: i32, offset: i64, id: &str, amount: i64, extra: &str) -> Message {
+    let extra = if extra.is_empty() { String::new() } else { format!(",{extra}") };
+    Message::new("payments", partition, offset, format!(r#"{{"id":"{id}","amount":{amount}{extra}}}"#))
+}
+
+pub async fn ledger_rows<P: TestPool>(pool: &P, id: &str) -> i64 {
+    pool.scalar(&format!("SELECT COUNT(*) FROM ledger WHERE event_id = '{id}'")).await
+}
+
+pub async fn ledger_total<P: TestPool>(pool: &P) -> i64 {
+    pool.scalar("SELECT CAST(COALESCE(SUM(amount), 0) AS BIGINT) FROM ledger").await
+}
+
+pub async fn markers<P: TestPool>(pool: &P, id: &str) -> i64 {
+    pool.scalar(&format!("SELECT COUNT(*) FROM processed_events WHERE event_id = '{id}'")).await
+}
+
+/// The payload's instructions to the test handler.
+#[derive(serde::Deserialize)]
+struct Payment {
+    amount: i64,
+    /// Sleep this long inside the transaction, after writing the entry.
+    #[serde(default)]
+    sleep_ms: u64,
+    /// Fail this many times with a retryable error before succeeding.
+    #[serde(default)]
+    flaky: u32,
+    /// Fail permanently after writing the entry.
+    #[serde(default)]
+    poison: bool,
+}
+
+/// The test handler: writes a ledger entry, then does what the payload asks.
+#[derive(Default)]
+pub struct Ledger {
+    attempts: Mutex<HashMap<String, u32>>,
+    pub calls: AtomicUsize,
+}
+
+impl Ledger {
+    fn attempt(&self, id: &str) -> u32 {
+        let mut attempts = self.attempts.lock().expect("attempts lock");
+        let n = attempts.entry(id.to_owned()).or_default();
+        *n += 1;
+        *n
+    }
+}
+
+macro_rules! ledger_handler {
+    ($db:ty, $conn:ty, $blocked:literal, $retryable:expr) => {
+        impl Handler<$db> for Ledger {
+            async fn handle(&self, event: &Event, tx: &mut $conn) -> Result<(), HandlerError> {
+                self.calls.fetch_add(1, Ordering::SeqCst);
+                let p: Payment = event.json()?;
+                sqlx::query("INSERT INTO ledger (event_id, amount) VALUES ($1, $2)")
+                    .bind(&event.id)
+                    .bind(p.amount)
+                    .execute(&mut *tx)
+                    .await?;
+                let blocked: i64 =
+                    sqlx::query_scalar($blocked).bind(&event.id).fetch_one(&mut *tx).await?;
+                if blocked > 0 {
+                    return Err(HandlerError::permanent(format!("event {} is blocked", event.id)));
+                }
+                if p.sleep_ms > 0 {
+                    tokio::time::sleep(Duration::from_millis(p.sleep_ms)).await;
+                }
+                if p.poison {
+                    return Err(HandlerError::permanent("poison payment"));
+                }
+                if p.flaky > 0 && self.attempt(&event.id) <= p.flaky {
+                    let retryable: fn() -> Result<(), HandlerError> = $retryable;
+                    return retryable();
+                }
+                Ok(())
+            }
+        }
+    };
+}
+
+ledger_handler!(sqlx::Postgres, PgConnection, "SELECT COUNT(*) FROM blocked WHERE id = $1", || Err(
+    HandlerError::retryable("flaky")
+));
+ledger_handler!(sqlx::Sqlite, SqliteConnection, "SELECT COUNT(*) FROM blocked WHERE id = $1", || Err(
+    HandlerError::retryable("flaky")
+));
+
+/// Runs `$test::<backend>` once on a fresh PostgreSQL database and once on a fresh SQLite file.
+#[macro_export]
+macro_rules! on_both {
+    ($name:ident) => {
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn postgres() {
+                let db = $crate::common::pg().await;
+                super::$name(db.pool.clone()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn sqlite() {
+                let db = $crate::common::sqlite().await;
+                super::$name(db.pool.clone()).await;
+            }
+        }
+    };
+}

@@ -1,0 +1,207 @@
+//! The engine consuming the embedded log: order per partition, acknowledgement after commit, restart and
+//! resume, batch handlers, dead-letter replay, transient PostgreSQL failures.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::{Ledger, TestPool, config, ledger_rows, ledger_total, markers, temp_dir};
+use idem::log::{ConsumerOptions, EmbeddedLog};
+use idem::{Backend, BatchHandler, Engine, Event, Handler, HandlerError, Tables};
+
+type Pool<DB> = sqlx::Pool<DB>;
+
+fn until_end() -> ConsumerOptions {
+    ConsumerOptions { stop_at_end: true, ..ConsumerOptions::default() }
+}
+
+fn produce(log: &EmbeddedLog, from: i64, to: i64, extra: &str) -> i64 {
+    let producer = log.producer();
+    let mut total = 0;
+    for n in from..to {
+        let payload = format!(r#"{{"id":"p{n}","amount":{n}{extra}}}"#);
+        producer.send("payments", Some(format!("acct-{}", n % 13).as_bytes()), payload.as_bytes(), &[]).unwrap();
+        total += n;
+    }
+    producer.flush().unwrap();
+    total
+}
+
+/// Consumes a 4-partition log to its end with several batch sizes; a restarted consumer resumes after the
+/// acknowledged offsets; a second pass over a rewound group absorbs every message as a duplicate.
+async fn consume_resume_and_replay_whole_log<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    common::setup(&pool).await;
+    let dir = temp_dir();
+    let log = EmbeddedLog::open(&dir.0).unwrap();
+    log.create_topic("payments", 4).unwrap();
+    let first_total = produce(&log, 0, 500, "");
+    let engine = Engine::new(pool.clone(), config(50)).unwrap();
+    let source = log.consumer("ledger-writer", &["payments"], until_end()).unwrap();
+    let stats = engine.run(source, Ledger::default(), std::future::pending::<()>()).await.unwrap();
+    assert_eq!(stats.processed, 500);
+    assert_eq!(ledger_total(&pool).await, first_total);
+    assert_eq!(log.committed("ledger-writer", "payments").unwrap(), log.end_offsets("payments").unwrap());
+
+    // More events; a new consumer process (a new engine) starts after the committed offsets.
+    let second_total = produce(&log, 500, 800, "");
+    let engine = Engine::new(pool.clone(), config(1)).unwrap();
+    let source = log.consumer("ledger-writer", &["payments"], until_end()).unwrap();
+    let stats = engine.run(source, Ledger::default(), std::future::pending::<()>()).await.unwrap();
+    assert_eq!((stats.processed, stats.duplicate), (300, 0), "only the new events are delivered");
+    assert_eq!(ledger_total(&pool).await, first_total + second_total);
+
+    // Offsets lost (a consumer reset to the earliest offset): everything comes again, nothing is applied twice.
+    std::fs::remove_dir_all(dir.0.join("groups")).unwrap();
+    let engine = Engine::new(pool.clone(), config(100)).unwrap();
+    let source = log.consumer("ledger-writer", &["payments"], until_end()).unwrap();
+    let stats = engine.run(source, Ledger::default(), std::future::pending::<()>()).await.unwrap();
+    assert_eq!((stats.processed, stats.duplicate), (0, 800));
+    assert_eq!(ledger_total(&pool).await, first_total + second_total);
+    assert_eq!(pool.scalar("SELECT COUNT(*) FROM ledger").await, 800);
+}
+on_both!(consume_resume_and_replay_whole_log);
+
+/// The batch handler sees only the new events of a batch, in offset order per partition.
+struct BulkCredit {
+    calls: AtomicUsize,
+    out_of_order: AtomicUsize,
+}
+
+macro_rules! bulk_credit {
+    ($db:ty, $conn:ty) => {
+        impl BatchHandler<$db> for BulkCredit {
+            async fn handle_batch(&self, events: &[&Event], tx: &mut $conn) -> Result<(), HandlerError> {
+                self.calls.fetch_add(1, Ordering::SeqCst);
+                if events.windows(2).any(|w| w[0].message.partition != w[1].message.partition || w[0].message.offset >= w[1].message.offset) {
+                    self.out_of_order.fetch_add(1, Ordering::SeqCst);
+                }
+                let total: i64 = events.iter().map(|e| e.json::<serde_json::Value>().map(|v| v["amount"].as_i64().unwrap_or(0))).sum::<Result<i64, _>>()?;
+                sqlx::query("INSERT INTO ledger (event_id, amount) VALUES ($1, $2)")
+                    .bind(format!("bulk-{}", events[0].id))
+                    .bind(total)
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(())
+            }
+        }
+    };
+}
+bulk_credit!(sqlx::Postgres, sqlx::PgConnection);
+bulk_credit!(sqlx::Sqlite, sqlx::SqliteConnection);
+
+async fn batch_handler_applies_in_bulk<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    BulkCredit: BatchHandler<DB>,
+{
+    common::setup(&pool).await;
+    let dir = temp_dir();
+    let log = EmbeddedLog::open(&dir.0).unwrap();
+    log.create_topic("payments", 2).unwrap();
+    let total = produce(&log, 0, 1000, "");
+    produce(&log, 0, 100, ""); // producer retries: ids p0..p99 again
+    let engine = Engine::new(pool.clone(), config(200)).unwrap();
+    let handler = BulkCredit { calls: AtomicUsize::new(0), out_of_order: AtomicUsize::new(0) };
+    let source = log.consumer("ledger-writer", &["payments"], until_end()).unwrap();
+    let stats = engine.run_batched(source, handler, std::future::pending::<()>()).await.unwrap();
+    assert_eq!((stats.processed, stats.duplicate), (1000, 100));
+    assert_eq!(ledger_total(&pool).await, total);
+    assert!(pool.scalar("SELECT COUNT(*) FROM ledger").await < 100, "effects are applied in bulk");
+}
+on_both!(batch_handler_applies_in_bulk);
+
+/// A poison message is dead-lettered; after the cause is fixed, `replay` re-delivers the stored message and
+/// it is applied once; a replay that fails again keeps its row.
+async fn dead_letter_replay<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    common::setup(&pool).await;
+    let dir = temp_dir();
+    let log = EmbeddedLog::open(&dir.0).unwrap();
+    log.create_topic("payments", 1).unwrap();
+    pool.exec("INSERT INTO blocked (id) VALUES ('p3'), ('p5')").await;
+    let total = produce(&log, 0, 8, "");
+    let run = || async {
+        let engine = Engine::new(pool.clone(), config(10)).unwrap();
+        let source = log.consumer("ledger-writer", &["payments"], until_end()).unwrap();
+        engine.run(source, Ledger::default(), std::future::pending::<()>()).await.unwrap()
+    };
+    let stats = run().await;
+    assert_eq!((stats.processed, stats.dead_lettered), (6, 2));
+    assert_eq!(ledger_total(&pool).await, total - 3 - 5);
+
+    let tables = Tables::default();
+    let letters = idem::dead_letter::list(&pool, &tables, None, 10).await.unwrap();
+    assert_eq!(letters.iter().map(|l| l.event_id.clone().unwrap()).collect::<Vec<_>>(), ["p3", "p5"]);
+    assert!(letters[0].error.contains("blocked"));
+
+    // The operator unblocks p3 only and replays both.
+    pool.exec("DELETE FROM blocked WHERE id = 'p3'").await;
+    let producer = log.producer();
+    for letter in &letters {
+        assert!(idem::dead_letter::replay(&pool, &tables, &producer, letter).await.unwrap());
+    }
+    assert_eq!(markers(&pool, "p3").await, 0, "replay removed the marker");
+    let stats = run().await;
+    assert_eq!((stats.processed, stats.dead_lettered), (1, 1));
+    assert_eq!(ledger_rows(&pool, "p3").await, 1);
+    assert_eq!(ledger_total(&pool).await, total - 5);
+    let left = idem::dead_letter::list(&pool, &tables, None, 10).await.unwrap();
+    assert_eq!(left.len(), 1);
+    // p5 failed again after its replay: a new dead letter, the replayed row itself is gone.
+    assert_eq!((left[0].event_id.as_deref(), left[0].status.as_str()), (Some("p5"), "dead"));
+    assert_ne!(left[0].id, letters[1].id);
+    // Replaying a row that is gone is refused rather than publishing twice.
+    assert!(!idem::dead_letter::replay(&pool, &tables, &producer, &letters[0]).await.unwrap());
+}
+on_both!(dead_letter_replay);
+
+/// Serialization failures (40001), deadlocks (40P01) and a lost connection are retried, and the event is
+/// applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_transient_errors_are_retried() {
+    let db = common::pg().await;
+    common::setup(&db.pool).await;
+    struct Troubled(AtomicUsize);
+    impl Handler<sqlx::Postgres> for Troubled {
+        async fn handle(&self, event: &Event, tx: &mut sqlx::PgConnection) -> Result<(), HandlerError> {
+            let trouble = match self.0.fetch_add(1, Ordering::SeqCst) {
+                0 => "DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '40001'; END $$",
+                1 => "DO $$ BEGIN RAISE EXCEPTION 'deadlock' USING ERRCODE = '40P01'; END $$",
+                2 => "SELECT pg_terminate_backend(pg_backend_pid())",
+                _ => "SELECT 1",
+            };
+            sqlx::query(trouble).execute(&mut *tx).await?;
+            sqlx::query("INSERT INTO ledger (event_id, amount) VALUES ($1, 1)").bind(&event.id).execute(&mut *tx).await?;
+            Ok(())
+        }
+    }
+    let engine = Engine::new(db.pool.clone(), config(1)).unwrap();
+    let outcomes = engine.process(vec![common::payment(0, 0, "t1", 1, "")], &Troubled(AtomicUsize::new(0))).await.unwrap();
+    assert_eq!(outcomes, [idem::Outcome::Processed]);
+    assert_eq!(engine.stats().retried, 3);
+    assert_eq!(ledger_rows(&db.pool, "t1").await, 1);
+    assert_eq!(markers(&db.pool, "t1").await, 1);
+}
+
+/// A non-retryable database error of idem's own (its tables are missing) stops the engine with an error
+/// instead of acknowledging anything.
+#[tokio::test]
+async fn missing_tables_stop_the_engine_without_acknowledging() {
+    let db = common::sqlite().await;
+    let dir = temp_dir();
+    let log = EmbeddedLog::open(&dir.0).unwrap();
+    log.create_topic("payments", 1).unwrap();
+    produce(&log, 0, 3, "");
+    let engine = Engine::new(db.pool.clone(), config(10)).unwrap();
+    let source = log.consumer("ledger-writer", &["payments"], until_end()).unwrap();
+    let err = engine.run(source, Ledger::default(), std::future::pending::<()>()).await.unwrap_err();
+    assert!(err.to_string().contains("processed_events"), "{err}");
+    assert_eq!(log.committed("ledger-writer", "payments").unwrap(), [0]);
+}

@@ -1,0 +1,270 @@
+//! The guarantee itself, on PostgreSQL and SQLite: duplicates, rollbacks, poison messages, missing keys,
+//! concurrent deliveries, batches.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{Ledger, TestPool, config, ledger_rows, ledger_total, markers, payment, setup};
+use idem::{Backend, Engine, Handler, Message, Outcome};
+
+type Pool<DB> = sqlx::Pool<DB>;
+
+/// Document 003's test: the same message twice credits once.
+async fn duplicate_does_not_double_apply<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let engine = Engine::new(pool.clone(), config(1)).unwrap();
+    let ledger = Ledger::default();
+    let first = engine.process(vec![payment(0, 0, "pay-1", 100, "")], &ledger).await.unwrap();
+    let again = engine.process(vec![payment(0, 0, "pay-1", 100, "")], &ledger).await.unwrap();
+    assert_eq!(first, [Outcome::Processed]);
+    assert_eq!(again, [Outcome::Duplicate]);
+    assert_eq!(ledger_total(&pool).await, 100, "balance must be 100, not 200");
+    assert_eq!(ledger_rows(&pool, "pay-1").await, 1);
+    assert_eq!(markers(&pool, "pay-1").await, 1);
+    // The same id twice inside one batch, and a redelivery from another partition and offset.
+    let batch = vec![payment(0, 1, "pay-2", 5, ""), payment(0, 2, "pay-2", 5, ""), payment(3, 9, "pay-1", 100, "")];
+    let outcomes = engine.process(batch, &ledger).await.unwrap();
+    assert_eq!(outcomes, [Outcome::Processed, Outcome::Duplicate, Outcome::Duplicate]);
+    assert_eq!(ledger_total(&pool).await, 105);
+    let stats = engine.stats();
+    assert_eq!((stats.processed, stats.duplicate), (2, 3));
+}
+on_both!(duplicate_does_not_double_apply);
+
+/// A retryable failure rolls the marker back with the effect: the retry applies the event exactly once.
+/// If the marker were committed apart from the effect, the retry would see a duplicate and the credit would
+/// be lost.
+async fn failed_attempt_rolls_back_marker_and_effect_together<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let engine = Engine::new(pool.clone(), config(10)).unwrap();
+    let ledger = Ledger::default();
+    let batch = vec![payment(0, 0, "a", 1, ""), payment(0, 1, "b", 10, r#""flaky":2"#), payment(0, 2, "c", 100, "")];
+    let outcomes = engine.process(batch, &ledger).await.unwrap();
+    assert_eq!(outcomes, [Outcome::Processed; 3]);
+    assert_eq!(ledger_total(&pool).await, 111);
+    for id in ["a", "b", "c"] {
+        assert_eq!(ledger_rows(&pool, id).await, 1, "{id}");
+        assert_eq!(markers(&pool, id).await, 1, "{id}");
+    }
+    assert_eq!(engine.stats().retried, 2);
+}
+on_both!(failed_attempt_rolls_back_marker_and_effect_together);
+
+/// A retryable failure that never passes is dead-lettered after max_attempts, with the attempts recorded.
+async fn retries_are_bounded<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let engine = Engine::new(pool.clone(), config(5).max_attempts(3)).unwrap();
+    let outcomes =
+        engine.process(vec![payment(0, 0, "x", 7, r#""flaky":99"#), payment(0, 1, "y", 1, "")], &Ledger::default()).await.unwrap();
+    assert_eq!(outcomes, [Outcome::DeadLettered, Outcome::Processed]);
+    assert_eq!(ledger_rows(&pool, "x").await, 0);
+    let letters = idem::dead_letter::list(&pool, &idem::Tables::default(), None, 10).await.unwrap();
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].attempts, 3);
+    assert!(letters[0].error.contains("gave up after 3 attempts"), "{}", letters[0].error);
+}
+on_both!(retries_are_bounded);
+
+/// One poisoned message in a batch: the others commit, the poison is dead-lettered with its reason, its
+/// marker written with its dead letter, and its own effect rolled back.
+async fn poison_in_a_batch_is_isolated<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let engine = Engine::new(pool.clone(), config(100)).unwrap();
+    let mut batch: Vec<Message> = (0..10).map(|i| payment(1, i, &format!("e{i}"), 1, "")).collect();
+    batch[4] = payment(1, 4, "e4", 1, r#""poison":true"#);
+    batch[7] = Message::new("payments", 1, 7, r#"{"id":"e7","amount":"twelve"}"#);
+    let outcomes = engine.process(batch, &Ledger::default()).await.unwrap();
+    let mut expected = [Outcome::Processed; 10];
+    expected[4] = Outcome::DeadLettered;
+    expected[7] = Outcome::DeadLettered;
+    assert_eq!(outcomes, expected);
+    assert_eq!(ledger_total(&pool).await, 8);
+    assert_eq!(ledger_rows(&pool, "e4").await, 0, "the poison's own write is rolled back");
+    assert_eq!(markers(&pool, "e4").await, 1, "the poison's marker is written with its dead letter");
+    let letters = idem::dead_letter::list(&pool, &idem::Tables::default(), Some("ledger-writer"), 10).await.unwrap();
+    let reasons: Vec<(&str, &str)> =
+        letters.iter().map(|l| (l.event_id.as_deref().unwrap_or(""), l.error.as_str())).collect();
+    assert_eq!(reasons.len(), 2);
+    assert_eq!(reasons[0], ("e4", "poison payment"));
+    assert!(reasons[1].1.contains("payload is not the expected JSON"), "{reasons:?}");
+    assert_eq!((letters[0].partition, letters[0].offset), (1, 4));
+    // A redelivery of the whole batch: everything is a duplicate, nothing more is dead-lettered.
+    let batch: Vec<Message> = (0..10).map(|i| payment(1, i, &format!("e{i}"), 1, r#""poison":true"#)).collect();
+    let outcomes = engine.process(batch, &Ledger::default()).await.unwrap();
+    assert_eq!(outcomes, [Outcome::Duplicate; 10]);
+    assert_eq!(idem::dead_letter::list(&pool, &idem::Tables::default(), None, 10).await.unwrap().len(), 2);
+}
+on_both!(poison_in_a_batch_is_isolated);
+
+/// A batch handler's failure cannot name the message at fault: the batch is re-run one message at a time.
+async fn batch_handler_failure_isolates_the_message<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let engine = Engine::new(pool.clone(), config(100)).unwrap();
+    let handler = EachAsBatch(Ledger::default());
+    let mut batch: Vec<Message> = (0..6).map(|i| payment(0, i, &format!("b{i}"), 10, "")).collect();
+    batch[2] = payment(0, 2, "b2", 10, r#""poison":true"#);
+    let outcomes = engine.process_batched(batch, &handler).await.unwrap();
+    assert_eq!(outcomes.iter().filter(|o| **o == Outcome::DeadLettered).count(), 1);
+    assert_eq!(outcomes[2], Outcome::DeadLettered);
+    assert_eq!(ledger_total(&pool).await, 50);
+}
+on_both!(batch_handler_failure_isolates_the_message);
+
+/// A batch handler that applies each event through the per-event ledger handler.
+struct EachAsBatch(Ledger);
+
+impl<DB: Backend> idem::BatchHandler<DB> for EachAsBatch
+where
+    Ledger: Handler<DB>,
+{
+    async fn handle_batch(&self, events: &[&idem::Event], tx: &mut DB::Connection) -> Result<(), idem::HandlerError> {
+        for event in events {
+            self.0.handle(event, tx).await?;
+        }
+        Ok(())
+    }
+}
+
+/// A message without a key is dead-lettered with a reason naming the extractor, and the partition goes on.
+async fn missing_key_is_dead_lettered_and_does_not_block<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let engine = Engine::new(pool.clone(), config(10)).unwrap();
+    let batch = vec![
+        Message::new("payments", 0, 0, r#"{"amount":5}"#),
+        Message::new("payments", 0, 1, "not json at all"),
+        payment(0, 2, "k", 5, ""),
+    ];
+    let outcomes = engine.process(batch.clone(), &Ledger::default()).await.unwrap();
+    assert_eq!(outcomes, [Outcome::DeadLettered, Outcome::DeadLettered, Outcome::Processed]);
+    let letters = idem::dead_letter::list(&pool, &idem::Tables::default(), None, 10).await.unwrap();
+    assert_eq!(letters.len(), 2);
+    for letter in &letters {
+        assert!(letter.error.contains("json:/id"), "{}", letter.error);
+        assert_eq!(letter.event_id, None);
+    }
+    // Redelivered: the keyless messages are recognised by position, not stored twice.
+    engine.process(batch, &Ledger::default()).await.unwrap();
+    assert_eq!(idem::dead_letter::list(&pool, &idem::Tables::default(), None, 10).await.unwrap().len(), 2);
+    assert_eq!(ledger_total(&pool).await, 5);
+}
+on_both!(missing_key_is_dead_lettered_and_does_not_block);
+
+/// Two connections deliver the same message at once: exactly one effect; the loser waits for the winner's
+/// commit and then sees a duplicate.
+async fn concurrent_duplicates_apply_once<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let engine = Engine::new(pool.clone(), config(1)).unwrap();
+    let ledger = Arc::new(Ledger::default());
+    let slow = payment(0, 0, "same", 42, r#""sleep_ms":400"#);
+    let first = {
+        let (engine, ledger, slow) = (engine.clone(), Arc::clone(&ledger), slow.clone());
+        tokio::spawn(async move { engine.process(vec![slow], ledger.as_ref()).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let second = engine.process(vec![payment(2, 17, "same", 42, "")], ledger.as_ref()).await.unwrap();
+    let waited = started.elapsed();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first, [Outcome::Processed]);
+    assert_eq!(second, [Outcome::Duplicate]);
+    assert!(waited >= Duration::from_millis(200), "the loser must wait for the winner, waited {waited:?}");
+    assert_eq!(ledger_rows(&pool, "same").await, 1);
+    assert_eq!(ledger.calls.load(std::sync::atomic::Ordering::SeqCst), 1, "the loser must not run the handler");
+}
+on_both!(concurrent_duplicates_apply_once);
+
+/// The winner rolls back: the waiting loser takes over and the effect is applied once, by the loser.
+/// PostgreSQL wakes the waiting insert as soon as the winner rolls back. SQLite has no queue for its write lock:
+/// the failed winner may take it again first to write its dead letter, and then the loser sees a duplicate;
+/// either way the event ends up in exactly one place.
+async fn winner_rollback_lets_the_loser_take_over<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let engine = Engine::new(pool.clone(), config(1)).unwrap();
+    let ledger = Arc::new(Ledger::default());
+    let failing = payment(0, 0, "contested", 9, r#""sleep_ms":300,"poison":true"#);
+    let first = {
+        let (engine, ledger) = (engine.clone(), Arc::clone(&ledger));
+        tokio::spawn(async move { engine.process(vec![failing], ledger.as_ref()).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = engine.process(vec![payment(0, 0, "contested", 9, "")], ledger.as_ref()).await.unwrap();
+    let first = first.await.unwrap().unwrap();
+    let letters = idem::dead_letter::list(&pool, &idem::Tables::default(), None, 10).await.unwrap().len() as i64;
+    let rows = ledger_rows(&pool, "contested").await;
+    assert_eq!(rows + letters, 1, "applied once or dead-lettered once, never both, never neither");
+    assert_eq!(markers(&pool, "contested").await, 1);
+    if <DB as Backend>::NAME == "postgres" {
+        assert_eq!(second, [Outcome::Processed]);
+        assert_eq!(first, [Outcome::Duplicate], "the failed winner finds the event handled and dead-letters nothing");
+        assert_eq!(rows, 1);
+    } else {
+        let mut outcomes = [first[0], second[0]];
+        outcomes.sort_by_key(|o| o.as_str());
+        assert!(outcomes == [Outcome::DeadLettered, Outcome::Duplicate] || outcomes == [Outcome::Duplicate, Outcome::Processed], "{outcomes:?}");
+    }
+}
+on_both!(winner_rollback_lets_the_loser_take_over);
+
+/// Many concurrent deliveries of the same ids from separate connections: each applied once.
+async fn many_concurrent_deliveries<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let engine = Engine::new(pool.clone(), config(20)).unwrap();
+    let ledger = Arc::new(Ledger::default());
+    let mut tasks = Vec::new();
+    for worker in 0..6 {
+        let (engine, ledger) = (engine.clone(), Arc::clone(&ledger));
+        tasks.push(tokio::spawn(async move {
+            // Each worker sends the same 40 ids, in an order of its own.
+            let mut ids: Vec<i64> = (0..40).collect();
+            ids.rotate_left(worker * 7);
+            let batch = ids.iter().map(|i| payment(0, *i, &format!("c{i}"), 1, "")).collect();
+            engine.process(batch, ledger.as_ref()).await.unwrap()
+        }));
+    }
+    let mut processed = 0;
+    for task in tasks {
+        processed += task.await.unwrap().iter().filter(|o| **o == Outcome::Processed).count();
+    }
+    assert_eq!(processed, 40);
+    assert_eq!(ledger_total(&pool).await, 40);
+    assert_eq!(pool.scalar("SELECT COUNT(DISTINCT event_id) FROM ledger").await, 40);
+}
+on_both!(many_concurrent_deliveries);
