@@ -39,6 +39,10 @@ pub struct DemoArgs {
     /// commit and the acknowledgement).
     #[arg(long, default_value_t = 4)]
     crashes: u32,
+    /// Where the crashes happen: `mixed` (every third before the commit, the others after it),
+    /// `after-commit` (between the commit and the acknowledgement) or `before-commit`.
+    #[arg(long, default_value = "mixed", value_parser = ["mixed", "after-commit", "before-commit"])]
+    crash_point: String,
     /// Messages per transaction (1: one transaction per message).
     #[arg(long, default_value_t = 100)]
     batch_size: usize,
@@ -306,7 +310,11 @@ async fn consume(args: &DemoArgs, log_dir: &Path, url: &str, plan: &Plan, seed: 
     loop {
         let fault = (crashes_left > 0).then(|| {
             let crash = args.crashes - crashes_left;
-            let point = if crash % 3 == 2 { "before-commit" } else { "after-commit" };
+            let point = match args.crash_point.as_str() {
+                "mixed" if crash % 3 == 2 => "before-commit",
+                "mixed" => "after-commit",
+                fixed => fixed,
+            };
             let left = plan.records.saturating_sub(summary.deliveries);
             let batches_left = left / (args.batch_size as u64).max(1);
             let at = 1 + rng.below((batches_left / u64::from(crashes_left + 1)).max(1));
