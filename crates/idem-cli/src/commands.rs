@@ -4,9 +4,9 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::bail;
+use idem::Tables;
 use idem::log::EmbeddedLog;
 use idem::store::{DeadLetter, GroupStats};
-use idem::Tables;
 
 use crate::db::{self, Db};
 use crate::{DbArgs, with_pool};
@@ -79,14 +79,23 @@ pub async fn list_dead_letters(args: &DbArgs, group: Option<&str>, limit: i64, j
         for l in &letters {
             let position = format!("{}/{}@{}", l.topic, l.partition, l.offset);
             let event_id = l.event_id.as_deref().unwrap_or("(no key)");
-            println!("{:>6} {:<20} {:<24} {:<28} {:>8}  {}", l.id, l.consumer_group, event_id, position, l.attempts, l.error);
+            println!(
+                "{:>6} {:<20} {:<24} {:<28} {:>8}  {}",
+                l.id, l.consumer_group, event_id, position, l.attempts, l.error
+            );
         }
     }
     Ok(ExitCode::SUCCESS)
 }
 
 /// `idem dead-letters replay`.
-pub async fn replay_dead_letters(args: &DbArgs, log_dir: &Path, ids: &[i64], all: bool, group: Option<&str>) -> anyhow::Result<ExitCode> {
+pub async fn replay_dead_letters(
+    args: &DbArgs,
+    log_dir: &Path,
+    ids: &[i64],
+    all: bool,
+    group: Option<&str>,
+) -> anyhow::Result<ExitCode> {
     if ids.is_empty() && !all {
         bail!("name the dead letters to replay (ids from `idem dead-letters list`) or pass --all");
     }
@@ -94,11 +103,8 @@ pub async fn replay_dead_letters(args: &DbArgs, log_dir: &Path, ids: &[i64], all
     let db = Db::open(&args.database_url, 1).await?;
     let log = EmbeddedLog::open(log_dir)?;
     let producer = log.producer();
-    let letters: Vec<DeadLetter> = dead_letters(&db, &tables, group, i64::MAX)
-        .await?
-        .into_iter()
-        .filter(|l| all || ids.contains(&l.id))
-        .collect();
+    let letters: Vec<DeadLetter> =
+        dead_letters(&db, &tables, group, i64::MAX).await?.into_iter().filter(|l| all || ids.contains(&l.id)).collect();
     for id in ids {
         if !letters.iter().any(|l| l.id == *id) {
             bail!("no dead letter with id {id}; see `idem dead-letters list`");

@@ -155,7 +155,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let tables = Tables::new(None, PREFIX)?;
     prepare(&db, &tables).await?;
 
-    let seed = args.seed.unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64));
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64)
+    });
     let plan = produce(&log_dir, &args, seed).context("producing the events")?;
     if !args.json {
         eprintln!(
@@ -231,7 +233,6 @@ async fn prepare(db: &Db, tables: &Tables) -> anyhow::Result<()> {
         ledger = tables.table("ledger"),
     );
     db.execute(&create).await
-
 }
 
 /// Writes the events: each payment once, some a second time a little later (a producer retry), and three
@@ -295,14 +296,23 @@ fn send(producer: &idem::log::LogProducer, account: i64, payload: &str) -> anyho
 }
 
 /// Runs consumer processes until one finishes the log; the planned ones are killed at their fault point.
-async fn consume(args: &DemoArgs, log_dir: &Path, url: &str, plan: &Plan, seed: u64, summary: &mut Summary) -> anyhow::Result<()> {
+async fn consume(
+    args: &DemoArgs,
+    log_dir: &Path,
+    url: &str,
+    plan: &Plan,
+    seed: u64,
+    summary: &mut Summary,
+) -> anyhow::Result<()> {
     let progress = indicatif::ProgressBar::new(plan.records);
     if args.json {
         progress.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     progress.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} deliveries {per_sec} {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} deliveries {per_sec} {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let exe = std::env::current_exe().context("cannot find the idem executable to run consumers")?;
     let mut rng = Rng(seed ^ 0x5eed);
@@ -342,7 +352,11 @@ async fn consume(args: &DemoArgs, log_dir: &Path, url: &str, plan: &Plan, seed: 
         };
         let mut child = command.spawn().context("cannot start a consumer process")?;
         summary.consumer_runs += 1;
-        progress.set_message(format!("consumer run {} ({})", summary.consumer_runs, fault.as_deref().unwrap_or("no fault")));
+        progress.set_message(format!(
+            "consumer run {} ({})",
+            summary.consumer_runs,
+            fault.as_deref().unwrap_or("no fault")
+        ));
         let stdout = child.stdout.take().context("consumer has no stdout")?;
         let mut lines = BufReader::new(stdout).lines();
         while let Some(line) = lines.next_line().await? {
@@ -364,7 +378,10 @@ async fn consume(args: &DemoArgs, log_dir: &Path, url: &str, plan: &Plan, seed: 
                 } else {
                     summary.crashes_after_commit += 1;
                 }
-                progress.println(format!("consumer killed with SIGKILL at {}; restarting", fault.as_deref().unwrap_or("?")));
+                progress.println(format!(
+                    "consumer killed with SIGKILL at {}; restarting",
+                    fault.as_deref().unwrap_or("?")
+                ));
             }
             // The log ended (before the fault point, if one was armed): done.
             (_, Some(0)) => break,
@@ -407,7 +424,10 @@ async fn verify(db: &Db, plan: &Plan, summary: &mut Summary) -> anyhow::Result<(
             summary.mismatches.push(what);
         }
     };
-    check(actual_total == plan.expected_total, format!("ledger total {actual_total} != expected {}", plan.expected_total));
+    check(
+        actual_total == plan.expected_total,
+        format!("ledger total {actual_total} != expected {}", plan.expected_total),
+    );
     check(entries == plan.expected_entries, format!("{entries} ledger entries != expected {}", plan.expected_entries));
     check(distinct == entries, format!("{} events applied more than once", entries - distinct));
     let expected_markers = plan.expected_entries + plan.poison_with_key as i64;
@@ -424,7 +444,10 @@ fn print_summary(s: &Summary, json: bool) -> anyhow::Result<()> {
         return Ok(());
     }
     println!("idem demo: payments ledger on {}", s.database);
-    println!("  events produced        {:>12}  ({} sent twice by the producer)", s.events_produced, s.producer_duplicates);
+    println!(
+        "  events produced        {:>12}  ({} sent twice by the producer)",
+        s.events_produced, s.producer_duplicates
+    );
     println!("  deliveries             {:>12}  (log records: {})", s.deliveries, s.log_records);
     println!("  processed              {:>12}", s.processed);
     println!("  duplicates absorbed    {:>12}", s.duplicates_absorbed);
@@ -461,7 +484,12 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn consume_with<DB: Backend, H: Handler<DB>>(pool: sqlx::Pool<DB>, source: LogConsumer, config: Config, handler: H) -> anyhow::Result<()> {
+async fn consume_with<DB: Backend, H: Handler<DB>>(
+    pool: sqlx::Pool<DB>,
+    source: LogConsumer,
+    config: Config,
+    handler: H,
+) -> anyhow::Result<()> {
     let engine = Engine::new(pool, config)?.on_commit(report_commit);
     engine.run(source, handler, shutdown_signal()).await?;
     Ok(())

@@ -7,7 +7,11 @@ use serde_json::Value;
 
 fn idem(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_idem")).args(args).output().expect("run idem");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 fn demo(extra: &[&str]) -> Value {
@@ -23,15 +27,35 @@ fn demo(extra: &[&str]) -> Value {
 
 fn fresh_postgres() -> Option<String> {
     let server = std::env::var("IDEM_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
-    let name = format!("idem_cli_{}_{}", std::process::id(), std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok()?.subsec_nanos());
-    let status = Command::new("psql").args([&format!("{server}/postgres"), "-qc", &format!("CREATE DATABASE {name}")]).status().ok()?;
+    let name = format!(
+        "idem_cli_{}_{}",
+        std::process::id(),
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok()?.subsec_nanos()
+    );
+    let status = Command::new("psql")
+        .args([&format!("{server}/postgres"), "-qc", &format!("CREATE DATABASE {name}")])
+        .status()
+        .ok()?;
     status.success().then(|| format!("{server}/{name}"))
 }
 
 /// SIGKILL between the commit and the acknowledgement: the committed message comes again and is a duplicate.
 #[test]
 fn kill_after_commit_redelivers_as_duplicate() {
-    let s = demo(&["--events", "300", "--duplicates", "0", "--batch-size", "1", "--partitions", "1", "--crashes", "1", "--crash-point", "after-commit"]);
+    let s = demo(&[
+        "--events",
+        "300",
+        "--duplicates",
+        "0",
+        "--batch-size",
+        "1",
+        "--partitions",
+        "1",
+        "--crashes",
+        "1",
+        "--crash-point",
+        "after-commit",
+    ]);
     assert_eq!(s["crashes_after_commit"], 1, "{s}");
     assert_eq!(s["duplicates_absorbed"], 1, "exactly the one committed-but-unacknowledged message: {s}");
     assert_eq!(s["ledger_entries"], 300);
@@ -40,7 +64,20 @@ fn kill_after_commit_redelivers_as_duplicate() {
 /// SIGKILL before the commit: nothing of the batch committed; it comes again and is applied once.
 #[test]
 fn kill_before_commit_applies_once() {
-    let s = demo(&["--events", "300", "--duplicates", "0", "--batch-size", "1", "--partitions", "1", "--crashes", "1", "--crash-point", "before-commit"]);
+    let s = demo(&[
+        "--events",
+        "300",
+        "--duplicates",
+        "0",
+        "--batch-size",
+        "1",
+        "--partitions",
+        "1",
+        "--crashes",
+        "1",
+        "--crash-point",
+        "before-commit",
+    ]);
     assert_eq!(s["crashes_before_commit"], 1, "{s}");
     assert_eq!(s["duplicates_absorbed"], 0, "{s}");
     assert_eq!(s["processed"], 300, "{s}");
@@ -65,7 +102,9 @@ fn demo_on_postgres_survives_crashes() {
     assert_eq!(s["crashes_survived"], 3, "{s}");
     let db = url.rsplit('/').next().unwrap_or_default().to_owned();
     let server = url.trim_end_matches(&format!("/{db}")).to_owned();
-    let _ = Command::new("psql").args([&format!("{server}/postgres"), "-qc", &format!("DROP DATABASE {db} WITH (FORCE)")]).status();
+    let _ = Command::new("psql")
+        .args([&format!("{server}/postgres"), "-qc", &format!("DROP DATABASE {db} WITH (FORCE)")])
+        .status();
 }
 
 /// The operator's commands on what the demo left: stats, dead letters, replay.

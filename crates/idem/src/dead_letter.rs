@@ -12,12 +12,22 @@ use crate::source::Publisher;
 use crate::store::{Backend, DeadLetter, Tables};
 
 /// Dead letters, oldest first, of one group or of all.
-pub async fn list<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables, group: Option<&str>, limit: i64) -> Result<Vec<DeadLetter>, Error> {
+pub async fn list<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    group: Option<&str>,
+    limit: i64,
+) -> Result<Vec<DeadLetter>, Error> {
     DB::dead_letters(pool, tables, group, limit).await
 }
 
 /// Replays one dead letter through `publisher`. Returns false when no replayable row has that id.
-pub async fn replay<DB: Backend, P: Publisher>(pool: &sqlx::Pool<DB>, tables: &Tables, publisher: &P, letter: &DeadLetter) -> Result<bool, Error> {
+pub async fn replay<DB: Backend, P: Publisher>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    publisher: &P,
+    letter: &DeadLetter,
+) -> Result<bool, Error> {
     if !DB::begin_replay(pool, tables, letter.id).await? {
         return Ok(false);
     }

@@ -225,9 +225,7 @@ impl<DB: Backend> Engine<DB> {
     pub fn new(pool: Pool<DB>, config: Config) -> Result<Self, Error> {
         config.validate()?;
         let faults = Faults::from_env()?;
-        Ok(Engine {
-            inner: Arc::new(Inner { pool, config, stats: Stats::default(), faults, on_commit: None }),
-        })
+        Ok(Engine { inner: Arc::new(Inner { pool, config, stats: Stats::default(), faults, on_commit: None }) })
     }
 
     /// Calls `observer` after every `COMMIT`, before the acknowledgement (progress reporting, tests).
@@ -279,7 +277,11 @@ impl<DB: Backend> Engine<DB> {
     }
 
     /// Like [`Engine::process`] with a batch handler.
-    pub async fn process_batched<B: BatchHandler<DB>>(&self, messages: Vec<Message>, handler: &B) -> Result<Vec<Outcome>, Error> {
+    pub async fn process_batched<B: BatchHandler<DB>>(
+        &self,
+        messages: Vec<Message>,
+        handler: &B,
+    ) -> Result<Vec<Outcome>, Error> {
         let items = self.items(messages);
         self.process_items(&items, &PerBatchRef(handler)).await
     }
@@ -369,9 +371,9 @@ impl Worker {
     /// own errors reach the engine through its fatal channel; only a panic is returned here.
     async fn finish(self) -> Result<(), Error> {
         drop(self.queue);
-        self.task
-            .await
-            .map_err(|join| Error::Config(format!("a partition worker panicked (a bug in a handler or in idem): {join}")))
+        self.task.await.map_err(|join| {
+            Error::Config(format!("a partition worker panicked (a bug in a handler or in idem): {join}"))
+        })
     }
 }
 
@@ -524,10 +526,10 @@ impl<DB: Backend> Engine<DB> {
         let mut seen = HashSet::with_capacity(items.len());
         let mut claimed: Vec<(usize, &Event)> = Vec::with_capacity(items.len());
         for (index, item) in items.iter().enumerate() {
-            if let Item::Keyed(event) = item {
-                if seen.insert(event.id.as_str()) {
-                    claimed.push((index, event));
-                }
+            if let Item::Keyed(event) = item
+                && seen.insert(event.id.as_str())
+            {
+                claimed.push((index, event));
             }
         }
         let mut outcomes = vec![Outcome::Duplicate; items.len()];
@@ -567,7 +569,9 @@ impl<DB: Backend> Engine<DB> {
             return Err(match classify(&error) {
                 Retry::Helps => Failure::Database(error),
                 // A deferred constraint of the handler's writes fails at COMMIT: the handler is at fault.
-                Retry::Useless if !fresh.is_empty() => Failure::Handler { at: None, error: HandlerError::Permanent(format!("commit failed: {error}")) },
+                Retry::Useless if !fresh.is_empty() => {
+                    Failure::Handler { at: None, error: HandlerError::Permanent(format!("commit failed: {error}")) }
+                }
                 Retry::Useless => Failure::Database(error),
             });
         }

@@ -47,5 +47,9 @@ pub trait Handler<DB: Backend>: Send + Sync + 'static {
 /// dead-lettered.
 pub trait BatchHandler<DB: Backend>: Send + Sync + 'static {
     /// Applies `events`; every write goes through `tx`.
-    fn handle_batch(&self, events: &[&Event], tx: &mut DB::Connection) -> impl Future<Output = Result<(), HandlerError>> + Send;
+    fn handle_batch(
+        &self,
+        events: &[&Event],
+        tx: &mut DB::Connection,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 }

@@ -46,9 +46,7 @@ impl KeyExtractor {
         let key = match self {
             KeyExtractor::Header(name) => {
                 let value = message.header(name).ok_or_else(|| self.missing("header is absent"))?;
-                std::str::from_utf8(value)
-                    .map_err(|_| self.missing("header is not UTF-8"))?
-                    .to_owned()
+                std::str::from_utf8(value).map_err(|_| self.missing("header is not UTF-8"))?.to_owned()
             }
             KeyExtractor::JsonPointer(pointer) => {
                 let doc: serde_json::Value = serde_json::from_slice(&message.payload)
@@ -72,10 +70,7 @@ impl KeyExtractor {
     }
 
     fn missing(&self, problem: &str) -> MissingKey {
-        MissingKey {
-            extractor: self.to_string(),
-            problem: problem.to_owned(),
-        }
+        MissingKey { extractor: self.to_string(), problem: problem.to_owned() }
     }
 }
 
@@ -123,7 +118,13 @@ mod tests {
     #[test]
     fn json_pointer_missing_names_the_extractor() {
         let k: KeyExtractor = "json:/idempotencyKey".parse().unwrap();
-        for payload in [r#"{"other":1}"#, "not json", r#"{"idempotencyKey":null}"#, r#"{"idempotencyKey":""}"#, r#"{"idempotencyKey":{"a":1}}"#] {
+        for payload in [
+            r#"{"other":1}"#,
+            "not json",
+            r#"{"idempotencyKey":null}"#,
+            r#"{"idempotencyKey":""}"#,
+            r#"{"idempotencyKey":{"a":1}}"#,
+        ] {
             let err = k.extract(&msg(payload)).unwrap_err();
             assert_eq!(err.extractor, "json:/idempotencyKey", "{payload}");
             assert!(err.to_string().contains("json:/idempotencyKey"), "{err}");

@@ -67,10 +67,10 @@ pub use handler::{BatchHandler, Handler};
 pub use key::{KeyExtractor, MissingKey};
 pub use message::{Event, Message};
 pub use source::{Publisher, Received, Source, SourceError};
-pub use store::{Backend, Tables, postgres, sqlite};
 /// The sqlx version idem is built with; handlers use its `PgConnection` and `SqliteConnection`.
 pub use sqlx;
 pub use sqlx::{Postgres, Sqlite};
+pub use store::{Backend, Tables, postgres, sqlite};
 
 /// Applies the missing migrations of `pool`'s database for `tables`; safe to run twice and from two processes.
 pub async fn migrate<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables) -> Result<store::MigrationReport, Error> {

@@ -76,10 +76,15 @@ macro_rules! bulk_credit {
         impl BatchHandler<$db> for BulkCredit {
             async fn handle_batch(&self, events: &[&Event], tx: &mut $conn) -> Result<(), HandlerError> {
                 self.calls.fetch_add(1, Ordering::SeqCst);
-                if events.windows(2).any(|w| w[0].message.partition != w[1].message.partition || w[0].message.offset >= w[1].message.offset) {
+                if events.windows(2).any(|w| {
+                    w[0].message.partition != w[1].message.partition || w[0].message.offset >= w[1].message.offset
+                }) {
                     self.out_of_order.fetch_add(1, Ordering::SeqCst);
                 }
-                let total: i64 = events.iter().map(|e| e.json::<serde_json::Value>().map(|v| v["amount"].as_i64().unwrap_or(0))).sum::<Result<i64, _>>()?;
+                let total: i64 = events
+                    .iter()
+                    .map(|e| e.json::<serde_json::Value>().map(|v| v["amount"].as_i64().unwrap_or(0)))
+                    .sum::<Result<i64, _>>()?;
                 sqlx::query("INSERT INTO ledger (event_id, amount) VALUES ($1, $2)")
                     .bind(format!("bulk-{}", events[0].id))
                     .bind(total)
@@ -178,12 +183,16 @@ async fn postgres_transient_errors_are_retried() {
                 _ => "SELECT 1",
             };
             sqlx::query(trouble).execute(&mut *tx).await?;
-            sqlx::query("INSERT INTO ledger (event_id, amount) VALUES ($1, 1)").bind(&event.id).execute(&mut *tx).await?;
+            sqlx::query("INSERT INTO ledger (event_id, amount) VALUES ($1, 1)")
+                .bind(&event.id)
+                .execute(&mut *tx)
+                .await?;
             Ok(())
         }
     }
     let engine = Engine::new(db.pool.clone(), config(1)).unwrap();
-    let outcomes = engine.process(vec![common::payment(0, 0, "t1", 1, "")], &Troubled(AtomicUsize::new(0))).await.unwrap();
+    let outcomes =
+        engine.process(vec![common::payment(0, 0, "t1", 1, "")], &Troubled(AtomicUsize::new(0))).await.unwrap();
     assert_eq!(outcomes, [idem::Outcome::Processed]);
     assert_eq!(engine.stats().retried, 3);
     assert_eq!(ledger_rows(&db.pool, "t1").await, 1);

@@ -68,8 +68,10 @@ where
 {
     setup(&pool).await;
     let engine = Engine::new(pool.clone(), config(5).max_attempts(3)).unwrap();
-    let outcomes =
-        engine.process(vec![payment(0, 0, "x", 7, r#""flaky":99"#), payment(0, 1, "y", 1, "")], &Ledger::default()).await.unwrap();
+    let outcomes = engine
+        .process(vec![payment(0, 0, "x", 7, r#""flaky":99"#), payment(0, 1, "y", 1, "")], &Ledger::default())
+        .await
+        .unwrap();
     assert_eq!(outcomes, [Outcome::DeadLettered, Outcome::Processed]);
     assert_eq!(ledger_rows(&pool, "x").await, 0);
     let letters = idem::dead_letter::list(&pool, &idem::Tables::default(), None, 10).await.unwrap();
@@ -234,7 +236,11 @@ where
     } else {
         let mut outcomes = [first[0], second[0]];
         outcomes.sort_by_key(|o| o.as_str());
-        assert!(outcomes == [Outcome::DeadLettered, Outcome::Duplicate] || outcomes == [Outcome::Duplicate, Outcome::Processed], "{outcomes:?}");
+        assert!(
+            outcomes == [Outcome::DeadLettered, Outcome::Duplicate]
+                || outcomes == [Outcome::Duplicate, Outcome::Processed],
+            "{outcomes:?}"
+        );
     }
 }
 on_both!(winner_rollback_lets_the_loser_take_over);

@@ -33,9 +33,13 @@ async fn postgres_migrations_run_twice_and_concurrently() {
     assert!(again.applied.is_empty());
     assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM idem_migrations").await, 2);
     // The marker table is exactly document 000's: its primary key and the processed_at index.
-    let pk = db.pool.scalar(
-        "SELECT COUNT(*) FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid \
-         WHERE c.relname = 'processed_events' AND i.indisprimary AND i.indnatts = 2").await;
+    let pk = db
+        .pool
+        .scalar(
+            "SELECT COUNT(*) FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid \
+         WHERE c.relname = 'processed_events' AND i.indisprimary AND i.indnatts = 2",
+        )
+        .await;
     assert_eq!(pk, 1);
     let idx = db.pool.scalar("SELECT COUNT(*) FROM pg_indexes WHERE indexname = 'processed_events_processed_at'").await;
     assert_eq!(idx, 1);
@@ -81,7 +85,9 @@ async fn prefixes_and_schemas_keep_services_apart() {
     idem::migrate(&db.pool, &billing).await.unwrap();
     idem::migrate(&db.pool, &shipping).await.unwrap();
     idem::migrate(&db.pool, &Tables::default()).await.unwrap();
-    for table in ["billing.svc_processed_events", "shipping_processed_events", "processed_events", "billing.svc_dead_letters"] {
+    for table in
+        ["billing.svc_processed_events", "shipping_processed_events", "processed_events", "billing.svc_dead_letters"]
+    {
         assert_eq!(db.pool.scalar(&format!("SELECT COUNT(*) FROM {table}")).await, 0, "{table}");
     }
     let lite = sqlite().await;

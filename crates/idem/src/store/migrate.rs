@@ -52,35 +52,12 @@ pub(crate) fn pending(known: &'static [Migration], applied: &[(i32, i64)]) -> Re
             Some(_) => {}
         }
     }
-    Ok(known
-        .iter()
-        .filter(|m| !applied.iter().any(|&(v, _)| v == m.version))
-        .copied()
-        .collect())
+    Ok(known.iter().filter(|m| !applied.iter().any(|&(v, _)| v == m.version)).copied().collect())
 }
 
 /// The advisory-lock key of a table set, so two services with different prefixes do not wait for each other.
 pub(crate) fn lock_key(tables: &crate::store::Tables) -> i64 {
     i64::from(crc32fast::hash(format!("idem-migrate:{}", tables.render("{t}")).as_bytes()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    static KNOWN: [Migration; 2] = [
-        Migration { version: 1, name: "a", sql: "create a" },
-        Migration { version: 2, name: "b", sql: "create b" },
-    ];
-
-    #[test]
-    fn pending_skips_applied_and_refuses_surprises() {
-        assert_eq!(pending(&KNOWN, &[]).unwrap().len(), 2);
-        let applied = [(1, KNOWN[0].checksum())];
-        assert_eq!(pending(&KNOWN, &applied).unwrap()[0].version, 2);
-        assert!(pending(&KNOWN, &[(3, 0)]).unwrap_err().to_string().contains("upgrade idem"));
-        assert!(pending(&KNOWN, &[(1, 7)]).unwrap_err().to_string().contains("was changed"));
-    }
 }
 
 /// Splits a migration into its statements at semicolons that end a line (the migrations hold no procedural
@@ -91,4 +68,21 @@ pub(crate) fn split_statements(sql: &str) -> Vec<&str> {
         .map(|s| s.trim_end_matches(';'))
         .filter(|s| s.lines().any(|l| !l.trim().is_empty() && !l.trim_start().starts_with("--")))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    static KNOWN: [Migration; 2] =
+        [Migration { version: 1, name: "a", sql: "create a" }, Migration { version: 2, name: "b", sql: "create b" }];
+
+    #[test]
+    fn pending_skips_applied_and_refuses_surprises() {
+        assert_eq!(pending(&KNOWN, &[]).unwrap().len(), 2);
+        let applied = [(1, KNOWN[0].checksum())];
+        assert_eq!(pending(&KNOWN, &applied).unwrap()[0].version, 2);
+        assert!(pending(&KNOWN, &[(3, 0)]).unwrap_err().to_string().contains("upgrade idem"));
+        assert!(pending(&KNOWN, &[(1, 7)]).unwrap_err().to_string().contains("was changed"));
+    }
 }

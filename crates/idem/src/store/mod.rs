@@ -28,7 +28,8 @@ pub trait Backend: sqlx::Database + Sized {
     fn migrations() -> &'static [Migration];
 
     /// Applies the missing migrations under a lock, so that two processes migrating at once are safe.
-    fn migrate(pool: &sqlx::Pool<Self>, tables: &Tables) -> impl Future<Output = Result<MigrationReport, Error>> + Send;
+    fn migrate(pool: &sqlx::Pool<Self>, tables: &Tables)
+    -> impl Future<Output = Result<MigrationReport, Error>> + Send;
 
     /// Inserts the markers of `events` in the open transaction, first statement of the batch, and returns for
     /// each event whether its marker is new (`true`: handle it) or already there (`false`: a duplicate).
@@ -61,11 +62,19 @@ pub trait Backend: sqlx::Database + Sized {
 
     /// First step of a replay, in one transaction: deletes the event's marker and marks the row `replaying`.
     /// Returns false when the row is gone or not in a state that can be replayed.
-    fn begin_replay(pool: &sqlx::Pool<Self>, tables: &Tables, id: i64) -> impl Future<Output = Result<bool, Error>> + Send;
+    fn begin_replay(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        id: i64,
+    ) -> impl Future<Output = Result<bool, Error>> + Send;
 
     /// Last step of a replay: deletes the row if it is still `replaying` (a new failure would have set it back
     /// to `dead`, and then the row stays).
-    fn finish_replay(pool: &sqlx::Pool<Self>, tables: &Tables, id: i64) -> impl Future<Output = Result<(), Error>> + Send;
+    fn finish_replay(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        id: i64,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
 }
 
 /// Table names: an optional schema (PostgreSQL only) and a prefix, so several services can share one database.
@@ -79,22 +88,19 @@ impl Tables {
     /// Tables named `{schema.}{prefix}processed_events` and so on. Both parts must be lower-case SQL identifiers
     /// (`[a-z_][a-z0-9_]*`; the prefix may be empty).
     pub fn new(schema: Option<&str>, prefix: &str) -> Result<Self, Error> {
-        if let Some(schema) = schema {
-            if !is_identifier(schema) {
-                return Err(Error::Config(format!(
-                    "schema `{schema}` is not a plain SQL identifier: use lower-case letters, digits and _, starting with a letter"
-                )));
-            }
+        if let Some(schema) = schema
+            && !is_identifier(schema)
+        {
+            return Err(Error::Config(format!(
+                "schema `{schema}` is not a plain SQL identifier: use lower-case letters, digits and _, starting with a letter"
+            )));
         }
         if !prefix.is_empty() && !is_identifier(prefix) {
             return Err(Error::Config(format!(
                 "table_prefix `{prefix}` is not a plain SQL identifier: use lower-case letters, digits and _ (e.g. `billing_`)"
             )));
         }
-        Ok(Tables {
-            schema: schema.map(str::to_owned),
-            prefix: prefix.to_owned(),
-        })
+        Ok(Tables { schema: schema.map(str::to_owned), prefix: prefix.to_owned() })
     }
 
     /// The schema, if one was configured.
@@ -247,10 +253,12 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 fn unhex(s: &str) -> Option<Vec<u8>> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| s.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
-        .collect()
+    (0..s.len()).step_by(2).map(|i| s.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect()
+}
+
+/// Marker and dead-letter figures per consumer group (`idem stats`).
+pub async fn stats<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables) -> Result<Vec<GroupStats>, Error> {
+    DB::stats(pool, tables).await
 }
 
 #[cfg(test)]
@@ -273,9 +281,4 @@ mod tests {
         assert!(Tables::new(Some("Drop Table"), "").unwrap_err().to_string().contains("schema"));
         assert_eq!(Tables::default().table("dead_letters"), "dead_letters");
     }
-}
-
-/// Marker and dead-letter figures per consumer group (`idem stats`).
-pub async fn stats<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables) -> Result<Vec<GroupStats>, Error> {
-    DB::stats(pool, tables).await
 }

@@ -5,22 +5,16 @@ use std::collections::HashSet;
 
 use sqlx::{Connection, PgConnection, Postgres, Row};
 
-use super::migrate::{split_statements, lock_key, pending};
-use super::{Backend, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Tables, decode_headers, encode_headers};
+use super::migrate::{lock_key, pending, split_statements};
+use super::{
+    Backend, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Tables, decode_headers, encode_headers,
+};
 use crate::error::Error;
 use crate::message::Event;
 
 static MIGRATIONS: [Migration; 2] = [
-    Migration {
-        version: 1,
-        name: "processed_events",
-        sql: include_str!("sql/postgres/0001_processed_events.sql"),
-    },
-    Migration {
-        version: 2,
-        name: "dead_letters",
-        sql: include_str!("sql/postgres/0002_dead_letters.sql"),
-    },
+    Migration { version: 1, name: "processed_events", sql: include_str!("sql/postgres/0001_processed_events.sql") },
+    Migration { version: 2, name: "dead_letters", sql: include_str!("sql/postgres/0002_dead_letters.sql") },
 ];
 
 impl Backend for Postgres {
@@ -33,10 +27,7 @@ impl Backend for Postgres {
     async fn migrate(pool: &sqlx::PgPool, tables: &Tables) -> Result<MigrationReport, Error> {
         let mut conn = pool.acquire().await?;
         let mut tx = conn.begin().await?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(lock_key(tables))
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(lock_key(tables)).execute(&mut *tx).await?;
         if let Some(schema) = tables.schema() {
             let create = format!("CREATE SCHEMA IF NOT EXISTS {schema}");
             sqlx::query(&create).execute(&mut *tx).await?;
@@ -47,9 +38,8 @@ impl Backend for Postgres {
              checksum bigint NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
         );
         sqlx::query(&create_ledger).execute(&mut *tx).await?;
-        let applied: Vec<(i32, i64)> = sqlx::query_as(&format!("SELECT version, checksum FROM {ledger}"))
-            .fetch_all(&mut *tx)
-            .await?;
+        let applied: Vec<(i32, i64)> =
+            sqlx::query_as(&format!("SELECT version, checksum FROM {ledger}")).fetch_all(&mut *tx).await?;
         let todo = pending(&MIGRATIONS, &applied)?;
         for m in &todo {
             let sql = tables.render(m.sql);
@@ -64,13 +54,15 @@ impl Backend for Postgres {
                 .await?;
         }
         tx.commit().await?;
-        Ok(MigrationReport {
-            applied: todo.iter().map(|m| m.version).collect(),
-            version: MIGRATIONS.len() as i32,
-        })
+        Ok(MigrationReport { applied: todo.iter().map(|m| m.version).collect(), version: MIGRATIONS.len() as i32 })
     }
 
-    async fn claim(conn: &mut PgConnection, tables: &Tables, group: &str, events: &[&Event]) -> Result<Vec<bool>, sqlx::Error> {
+    async fn claim(
+        conn: &mut PgConnection,
+        tables: &Tables,
+        group: &str,
+        events: &[&Event],
+    ) -> Result<Vec<bool>, sqlx::Error> {
         let sql = tables.render(
             r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset")
                SELECT $1, * FROM UNNEST($2::text[], $3::text[], $4::int[], $5::bigint[])
@@ -93,7 +85,12 @@ impl Backend for Postgres {
         Ok(events.iter().map(|e| fresh.contains(&e.id)).collect())
     }
 
-    async fn dead_letter(conn: &mut PgConnection, tables: &Tables, group: &str, letter: &NewDeadLetter<'_>) -> Result<(), sqlx::Error> {
+    async fn dead_letter(
+        conn: &mut PgConnection,
+        tables: &Tables,
+        group: &str,
+        letter: &NewDeadLetter<'_>,
+    ) -> Result<(), sqlx::Error> {
         let conflict = if letter.event_id.is_some() {
             "(consumer_group, event_id)"
         } else {
@@ -147,7 +144,12 @@ impl Backend for Postgres {
             .collect())
     }
 
-    async fn dead_letters(pool: &sqlx::PgPool, tables: &Tables, group: Option<&str>, limit: i64) -> Result<Vec<DeadLetter>, Error> {
+    async fn dead_letters(
+        pool: &sqlx::PgPool,
+        tables: &Tables,
+        group: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<DeadLetter>, Error> {
         let sql = tables.render(
             r#"SELECT id, consumer_group, event_id, topic, partition, "offset", key, payload, headers, error, attempts,
                       (EXTRACT(EPOCH FROM first_failed_at) * 1000)::bigint,

@@ -3,22 +3,16 @@
 
 use sqlx::{Connection, Row, Sqlite, SqliteConnection};
 
-use super::migrate::{split_statements, pending};
-use super::{Backend, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Tables, decode_headers, encode_headers};
+use super::migrate::{pending, split_statements};
+use super::{
+    Backend, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Tables, decode_headers, encode_headers,
+};
 use crate::error::Error;
 use crate::message::Event;
 
 static MIGRATIONS: [Migration; 2] = [
-    Migration {
-        version: 1,
-        name: "processed_events",
-        sql: include_str!("sql/sqlite/0001_processed_events.sql"),
-    },
-    Migration {
-        version: 2,
-        name: "dead_letters",
-        sql: include_str!("sql/sqlite/0002_dead_letters.sql"),
-    },
+    Migration { version: 1, name: "processed_events", sql: include_str!("sql/sqlite/0001_processed_events.sql") },
+    Migration { version: 2, name: "dead_letters", sql: include_str!("sql/sqlite/0002_dead_letters.sql") },
 ];
 
 impl Backend for Sqlite {
@@ -43,9 +37,8 @@ impl Backend for Sqlite {
              checksum INTEGER NOT NULL, applied_at INTEGER NOT NULL DEFAULT (unixepoch()))"
         );
         sqlx::query(&create_ledger).execute(&mut *tx).await?;
-        let applied: Vec<(i32, i64)> = sqlx::query_as(&format!("SELECT version, checksum FROM {ledger}"))
-            .fetch_all(&mut *tx)
-            .await?;
+        let applied: Vec<(i32, i64)> =
+            sqlx::query_as(&format!("SELECT version, checksum FROM {ledger}")).fetch_all(&mut *tx).await?;
         let todo = pending(&MIGRATIONS, &applied)?;
         for m in &todo {
             let sql = tables.render(m.sql);
@@ -60,13 +53,15 @@ impl Backend for Sqlite {
                 .await?;
         }
         tx.commit().await?;
-        Ok(MigrationReport {
-            applied: todo.iter().map(|m| m.version).collect(),
-            version: MIGRATIONS.len() as i32,
-        })
+        Ok(MigrationReport { applied: todo.iter().map(|m| m.version).collect(), version: MIGRATIONS.len() as i32 })
     }
 
-    async fn claim(conn: &mut SqliteConnection, tables: &Tables, group: &str, events: &[&Event]) -> Result<Vec<bool>, sqlx::Error> {
+    async fn claim(
+        conn: &mut SqliteConnection,
+        tables: &Tables,
+        group: &str,
+        events: &[&Event],
+    ) -> Result<Vec<bool>, sqlx::Error> {
         let sql = tables.render(
             r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset")
                VALUES ($1, $2, $3, $4, $5) ON CONFLICT (consumer_group, event_id) DO NOTHING"#,
@@ -86,7 +81,12 @@ impl Backend for Sqlite {
         Ok(fresh)
     }
 
-    async fn dead_letter(conn: &mut SqliteConnection, tables: &Tables, group: &str, letter: &NewDeadLetter<'_>) -> Result<(), sqlx::Error> {
+    async fn dead_letter(
+        conn: &mut SqliteConnection,
+        tables: &Tables,
+        group: &str,
+        letter: &NewDeadLetter<'_>,
+    ) -> Result<(), sqlx::Error> {
         let conflict = if letter.event_id.is_some() {
             "(consumer_group, event_id)"
         } else {
@@ -142,7 +142,12 @@ impl Backend for Sqlite {
             .collect())
     }
 
-    async fn dead_letters(pool: &sqlx::SqlitePool, tables: &Tables, group: Option<&str>, limit: i64) -> Result<Vec<DeadLetter>, Error> {
+    async fn dead_letters(
+        pool: &sqlx::SqlitePool,
+        tables: &Tables,
+        group: Option<&str>,
+        limit: i64,
+    ) -> Result<Vec<DeadLetter>, Error> {
         let sql = tables.render(
             r#"SELECT id, consumer_group, event_id, topic, partition, "offset", key, payload, headers, error, attempts,
                       first_failed_at, last_failed_at, status

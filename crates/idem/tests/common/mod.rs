@@ -31,7 +31,8 @@ pub struct TestPg {
 pub async fn pg() -> TestPg {
     let server = pg_server();
     let name = unique_name("t");
-    let mut admin = PgConnection::connect(&format!("{server}/postgres")).await.expect("PostgreSQL must run on 127.0.0.1:5432");
+    let mut admin =
+        PgConnection::connect(&format!("{server}/postgres")).await.expect("PostgreSQL must run on 127.0.0.1:5432");
     sqlx::raw_sql(&format!("CREATE DATABASE {name}")).execute(&mut admin).await.expect("create test database");
     let url = format!("{server}/{name}");
     let pool = idem::postgres::connect(&url, 8).await.expect("connect to test database");
@@ -49,7 +50,9 @@ impl Drop for TestPg {
             rt.block_on(async move {
                 pool.close().await;
                 if let Ok(mut admin) = PgConnection::connect(&format!("{server}/postgres")).await {
-                    let _ = sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).execute(&mut admin).await;
+                    let _ = sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                        .execute(&mut admin)
+                        .await;
                 }
             });
         })
@@ -193,8 +196,7 @@ macro_rules! ledger_handler {
                     .bind(p.amount)
                     .execute(&mut *tx)
                     .await?;
-                let blocked: i64 =
-                    sqlx::query_scalar($blocked).bind(&event.id).fetch_one(&mut *tx).await?;
+                let blocked: i64 = sqlx::query_scalar($blocked).bind(&event.id).fetch_one(&mut *tx).await?;
                 if blocked > 0 {
                     return Err(HandlerError::permanent(format!("event {} is blocked", event.id)));
                 }
