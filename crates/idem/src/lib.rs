@@ -29,7 +29,7 @@
 //!
 //! # async fn example() -> Result<(), idem::Error> {
 //! let pool = idem::sqlite::connect("sqlite://ledger.db").await?;
-//! let config = Config::new("ledger-writer", "json:/idempotencyKey".parse::<KeyExtractor>().map_err(|e| idem::Error::Config(e.to_string()))?);
+//! let config = Config::new("ledger-writer", KeyExtractor::JsonPointer("/idempotencyKey".into()));
 //! idem::migrate(&pool, &config.tables).await?;
 //! let log = EmbeddedLog::open("events")?;
 //! let source = log.consumer("ledger-writer", &["payments"], ConsumerOptions::default())?;

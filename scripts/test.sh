@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Runs idem's whole test suite: makes sure the services the tests use are up, then `cargo test`.
+# PostgreSQL must be installed (127.0.0.1:5432, trust auth for user postgres); it is started if it is stopped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ -f "$HOME/.cargo/env" ]; then . "$HOME/.cargo/env"; fi
+
+ensure_postgres() {
+  if pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then return 0; fi
+  echo "starting PostgreSQL…"
+  local version
+  version=$(ls /etc/postgresql 2>/dev/null | sort -V | tail -n 1)
+  if [ -z "$version" ]; then
+    echo "PostgreSQL is not installed and not running on 127.0.0.1:5432; the tests need it" >&2
+    exit 1
+  fi
+  pg_ctlcluster --skip-systemctl-redirect "$version" main start
+  for _ in $(seq 1 30); do
+    pg_isready -h 127.0.0.1 -p 5432 -q && return 0
+    sleep 1
+  done
+  echo "PostgreSQL did not come up on 127.0.0.1:5432" >&2
+  exit 1
+}
+
+ensure_postgres
+cargo test --workspace --all-targets "$@"
+cargo test --workspace --doc
