@@ -33,9 +33,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::fs::create_dir_all(&dir)?;
     let pool = idem::sqlite::connect(&format!("sqlite://{}/ledger.db", dir.display())).await?;
     idem::migrate(&pool, &Tables::default()).await?;
-    sqlx::raw_sql("CREATE TABLE accounts (id INTEGER PRIMARY KEY, balance INTEGER NOT NULL); INSERT INTO accounts VALUES (7, 0);")
-        .execute(&pool)
-        .await?;
+    sqlx::raw_sql(
+        "CREATE TABLE accounts (id INTEGER PRIMARY KEY, balance INTEGER NOT NULL); INSERT INTO accounts VALUES (7, 0);",
+    )
+    .execute(&pool)
+    .await?;
 
     // Three deliveries, two of them the same payment (a producer retry).
     let log = EmbeddedLog::open(dir.join("log"))?;
@@ -47,7 +49,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     let config = Config::new("ledger-writer", KeyExtractor::JsonPointer("/idempotencyKey".into()));
-    let source = log.consumer("ledger-writer", &["payments"], ConsumerOptions { stop_at_end: true, ..Default::default() })?;
+    let source =
+        log.consumer("ledger-writer", &["payments"], ConsumerOptions { stop_at_end: true, ..Default::default() })?;
     let stats = Engine::new(pool.clone(), config)?.run(source, Credit, std::future::pending::<()>()).await?;
     let balance: i64 = sqlx::query_scalar("SELECT balance FROM accounts WHERE id = 7").fetch_one(&pool).await?;
     println!("processed {}, duplicates {}, balance {balance} (expected 5000)", stats.processed, stats.duplicate);
