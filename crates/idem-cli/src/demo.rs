@@ -12,7 +12,7 @@ use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use idem::log::{ConsumerOptions, EmbeddedLog, LogConsumer};
+use idem::log::{ConsumerOptions, EmbeddedLog};
 use idem::{Backend, Committed, Config, Engine, Event, Handler, HandlerError, KeyExtractor, Tables};
 use serde::Serialize;
 use sqlx::{PgConnection, SqliteConnection};
@@ -53,6 +53,10 @@ pub struct DemoArgs {
     /// are named idem_demo_* and are recreated.
     #[arg(long, env = "IDEM_DATABASE_URL")]
     database_url: Option<String>,
+    /// Use the Kafka brokers at this address (host:port) instead of the embedded log: a fresh topic and group
+    /// per run.
+    #[arg(long)]
+    kafka: Option<String>,
     /// Keep the log (and SQLite file) in this directory instead of a temporary one removed at the end.
     #[arg(long)]
     dir: Option<PathBuf>,
@@ -68,8 +72,23 @@ pub struct DemoArgs {
 #[derive(clap::Args, Debug)]
 pub struct WorkerArgs {
     /// The embedded log's directory.
+    #[arg(long, required_unless_present = "kafka")]
+    log_dir: Option<PathBuf>,
+    /// Kafka brokers (instead of the embedded log).
     #[arg(long)]
-    log_dir: PathBuf,
+    kafka: Option<String>,
+    /// Extra librdkafka setting, KEY=VALUE; repeatable.
+    #[arg(long = "kafka-setting")]
+    kafka_settings: Vec<String>,
+    /// The topic.
+    #[arg(long, default_value = TOPIC)]
+    topic: String,
+    /// The consumer group.
+    #[arg(long, default_value = GROUP)]
+    group: String,
+    /// Keep consuming at the end of the log instead of exiting (until SIGINT or SIGTERM).
+    #[arg(long)]
+    follow: bool,
     /// The database.
     #[arg(long)]
     database_url: String,
@@ -79,6 +98,30 @@ pub struct WorkerArgs {
     /// Connections in the pool.
     #[arg(long, default_value_t = 5)]
     connections: u32,
+}
+
+/// Where the demo's events travel.
+enum Transport {
+    Embedded(PathBuf),
+    Kafka { brokers: String, topic: String, group: String },
+}
+
+impl Transport {
+    fn worker_args(&self) -> Vec<String> {
+        match self {
+            Transport::Embedded(dir) => vec!["--log-dir".into(), dir.display().to_string()],
+            Transport::Kafka { brokers, topic, group } => vec![
+                "--kafka".into(),
+                brokers.clone(),
+                "--topic".into(),
+                topic.clone(),
+                "--group".into(),
+                group.clone(),
+                "--kafka-setting".into(),
+                "session.timeout.ms=6000".into(),
+            ],
+        }
+    }
 }
 
 /// What the demo reports.
@@ -158,7 +201,19 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let seed = args.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64)
     });
-    let plan = produce(&log_dir, &args, seed).context("producing the events")?;
+    let (plan, records) = generate(&args, seed);
+    let transport = match &args.kafka {
+        None => {
+            write_embedded(&log_dir, args.partitions, &records).context("producing the events")?;
+            Transport::Embedded(log_dir.clone())
+        }
+        Some(brokers) => {
+            let run = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+            let (topic, group) = (format!("idem-demo-{run}"), format!("{GROUP}-{run}"));
+            write_kafka(brokers, &topic, args.partitions, &records).await.context("producing the events to Kafka")?;
+            Transport::Kafka { brokers: brokers.clone(), topic, group }
+        }
+    };
     if !args.json {
         eprintln!(
             "produced {} events ({} sent twice by the producer, {} poison) into {} partitions; consuming with {} crash(es)…",
@@ -176,7 +231,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         ..Summary::default()
     };
     let started = Instant::now();
-    consume(&args, &log_dir, &url, &plan, seed, &mut summary).await?;
+    consume(&args, &transport, &url, &plan, seed, &mut summary).await?;
     summary.consume_seconds = started.elapsed().as_secs_f64();
     summary.throughput_per_second = summary.deliveries as f64 / summary.consume_seconds.max(1e-9);
     verify(&db, &plan, &mut summary).await?;
@@ -235,14 +290,13 @@ async fn prepare(db: &Db, tables: &Tables) -> anyhow::Result<()> {
     db.execute(&create).await
 }
 
-/// Writes the events: each payment once, some a second time a little later (a producer retry), and three
-/// poison messages: one that does not decode, one for an unknown account, one without an idempotency key.
-fn produce(log_dir: &Path, args: &DemoArgs, seed: u64) -> anyhow::Result<Plan> {
-    let log = EmbeddedLog::open(log_dir)?;
-    log.create_topic(TOPIC, args.partitions)?;
-    let producer = log.producer();
+/// The events: each payment once, some a second time a little later (a producer retry), and three poison
+/// messages: one that does not decode, one for an unknown account, one without an idempotency key. Each record
+/// is (account, payload); the account is the message key.
+fn generate(args: &DemoArgs, seed: u64) -> (Plan, Vec<(i64, String)>) {
     let mut rng = Rng(seed);
     let mut plan = Plan::default();
+    let mut records = Vec::with_capacity(args.events as usize + args.events as usize / 20);
     let mut retries: Vec<(u64, i64, String)> = Vec::new();
     let duplicate_per_million = (args.duplicates * 10_000.0) as u64;
     let poison_at = [args.events / 4, args.events / 2, args.events * 3 / 4];
@@ -250,8 +304,7 @@ fn produce(log_dir: &Path, args: &DemoArgs, seed: u64) -> anyhow::Result<Plan> {
         let account = 1 + rng.below(ACCOUNTS as u64) as i64;
         let amount = 1 + rng.below(100_000) as i64;
         let payload = format!(r#"{{"idempotencyKey":"pay-{n:09}","account":{account},"amount":{amount}}}"#);
-        send(&producer, account, &payload)?;
-        plan.records += 1;
+        records.push((account, payload.clone()));
         plan.events += 1;
         plan.expected_total += amount;
         plan.expected_entries += 1;
@@ -259,29 +312,53 @@ fn produce(log_dir: &Path, args: &DemoArgs, seed: u64) -> anyhow::Result<Plan> {
             retries.push((n + rng.below(50), account, payload));
             plan.producer_duplicates += 1;
         }
-        for (_, account, payload) in drain_due(&mut retries, n) {
-            send(&producer, account, &payload)?;
-            plan.records += 1;
-        }
+        records.extend(drain_due(&mut retries, n).into_iter().map(|(_, account, payload)| (account, payload)));
         if let Some(which) = poison_at.iter().position(|&at| at == n) {
             let poison = match which {
                 0 => format!(r#"{{"idempotencyKey":"poison-{n}","account":1,"amount":"12.00 EUR"}}"#),
                 1 => format!(r#"{{"idempotencyKey":"poison-{n}","account":{},"amount":100}}"#, ACCOUNTS + 7),
                 _ => r#"{"account":1,"amount":100}"#.to_owned(),
             };
-            send(&producer, 1, &poison)?;
-            plan.records += 1;
+            records.push((1, poison));
             plan.events += 1;
             plan.poison += 1;
             plan.poison_with_key += u64::from(which < 2);
         }
     }
-    for (_, account, payload) in retries {
-        send(&producer, account, &payload)?;
-        plan.records += 1;
+    records.extend(retries.into_iter().map(|(_, account, payload)| (account, payload)));
+    plan.records = records.len() as u64;
+    (plan, records)
+}
+
+fn write_embedded(log_dir: &Path, partitions: i32, records: &[(i64, String)]) -> anyhow::Result<()> {
+    let log = EmbeddedLog::open(log_dir)?;
+    log.create_topic(TOPIC, partitions)?;
+    let producer = log.producer();
+    for (account, payload) in records {
+        producer.send(TOPIC, Some(account.to_string().as_bytes()), payload.as_bytes(), &[])?;
     }
     producer.flush()?;
-    Ok(plan)
+    Ok(())
+}
+
+/// Produces to a fresh topic (explicit 7-day retention) through the idempotent producer helper, many sends in
+/// flight at once.
+async fn write_kafka(brokers: &str, topic: &str, partitions: i32, records: &[(i64, String)]) -> anyhow::Result<()> {
+    idem::kafka::create_topic(brokers, topic, partitions, 7 * 24 * 3_600_000).await?;
+    let producer = std::sync::Arc::new(idem::kafka::KafkaProducer::new(brokers)?);
+    for chunk in records.chunks(2000) {
+        let mut sends = tokio::task::JoinSet::new();
+        for (account, payload) in chunk.iter().cloned() {
+            let (producer, topic) = (std::sync::Arc::clone(&producer), topic.to_owned());
+            sends.spawn(async move {
+                producer.send(&topic, Some(account.to_string().as_bytes()), payload.as_bytes(), &[]).await
+            });
+        }
+        while let Some(sent) = sends.join_next().await {
+            sent??;
+        }
+    }
+    Ok(())
 }
 
 fn drain_due(retries: &mut Vec<(u64, i64, String)>, n: u64) -> Vec<(u64, i64, String)> {
@@ -290,15 +367,10 @@ fn drain_due(retries: &mut Vec<(u64, i64, String)>, n: u64) -> Vec<(u64, i64, St
     due
 }
 
-fn send(producer: &idem::log::LogProducer, account: i64, payload: &str) -> anyhow::Result<()> {
-    producer.send(TOPIC, Some(account.to_string().as_bytes()), payload.as_bytes(), &[])?;
-    Ok(())
-}
-
 /// Runs consumer processes until one finishes the log; the planned ones are killed at their fault point.
 async fn consume(
     args: &DemoArgs,
-    log_dir: &Path,
+    transport: &Transport,
     url: &str,
     plan: &Plan,
     seed: u64,
@@ -335,8 +407,7 @@ async fn consume(
             .arg("--log")
             .arg("error")
             .arg("demo-worker")
-            .arg("--log-dir")
-            .arg(log_dir)
+            .args(transport.worker_args())
             .arg("--database-url")
             .arg(url)
             .arg("--batch-size")
@@ -469,24 +540,57 @@ fn print_summary(s: &Summary, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `idem demo-worker`: consumes the demo's log until its end, printing one line per commit.
+/// `idem demo-worker`: consumes the demo's events until their end (or, with `--follow`, until a signal),
+/// printing one line per commit (and, on Kafka, one per assignment).
 pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
-    let log = EmbeddedLog::open(&args.log_dir)?;
-    let options = ConsumerOptions { stop_at_end: true, ..ConsumerOptions::default() };
-    let source = log.consumer(GROUP, &[TOPIC], options)?;
-    let config = Config::new(GROUP, KeyExtractor::JsonPointer("/idempotencyKey".into()))
+    let config = Config::new(args.group.clone(), KeyExtractor::JsonPointer("/idempotencyKey".into()))
         .batch_size(args.batch_size)
         .tables(Tables::new(None, PREFIX)?);
-    match Db::open(&args.database_url, args.connections).await? {
-        Db::Postgres(pool) => consume_with(pool, source, config, Credit).await?,
-        Db::Sqlite(pool) => consume_with(pool, source, config, Credit).await?,
+    let db = Db::open(&args.database_url, args.connections).await?;
+    match (&args.kafka, &args.log_dir) {
+        (Some(brokers), _) => {
+            let mut kafka =
+                idem::kafka::KafkaConfig::new(brokers.as_str(), args.group.as_str(), &[args.topic.as_str()]);
+            for setting in &args.kafka_settings {
+                let Some((key, value)) = setting.split_once('=') else {
+                    bail!("--kafka-setting `{setting}` is not KEY=VALUE");
+                };
+                kafka = kafka.set(key, value);
+            }
+            kafka.stop_at_end = !args.follow;
+            let observer: idem::kafka::consumer::AssignmentObserver = std::sync::Arc::new(report_assignment);
+            let source = idem::kafka::KafkaSource::connect_observed(&kafka, Some(observer)).await?;
+            with_pool!(db, pool => consume_with(pool, source, config, Credit).await?);
+        }
+        (None, Some(dir)) => {
+            let log = EmbeddedLog::open(dir)?;
+            let options = ConsumerOptions { stop_at_end: !args.follow, ..ConsumerOptions::default() };
+            let source = log.consumer(&args.group, &[args.topic.as_str()], options)?;
+            with_pool!(db, pool => consume_with(pool, source, config, Credit).await?);
+        }
+        (None, None) => bail!("give --log-dir or --kafka"),
     }
     Ok(ExitCode::SUCCESS)
 }
 
-async fn consume_with<DB: Backend, H: Handler<DB>>(
+/// `idem demo-prepare`: recreates the demo's tables (for tests that drive `demo-worker` themselves).
+pub async fn prepare_only(database_url: &str) -> anyhow::Result<ExitCode> {
+    let db = Db::open(database_url, 1).await?;
+    prepare(&db, &Tables::new(None, PREFIX)?).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn report_assignment(partitions: &[idem::source::Partition]) {
+    use std::io::Write;
+    let numbers: Vec<i32> = partitions.iter().map(|p| p.partition).collect();
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{}", serde_json::json!({ "assigned": numbers }));
+    let _ = out.flush();
+}
+
+async fn consume_with<DB: Backend, S: idem::Source, H: Handler<DB>>(
     pool: sqlx::Pool<DB>,
-    source: LogConsumer,
+    source: S,
     config: Config,
     handler: H,
 ) -> anyhow::Result<()> {
@@ -511,8 +615,19 @@ fn report_commit(committed: &Committed) {
     }
 }
 
+/// Completes on SIGINT or SIGTERM: the engine then finishes the batch in hand, acknowledges it and returns.
 async fn shutdown_signal() {
-    let _ = tokio::signal::ctrl_c().await;
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(term) => term,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
 }
 
 /// The demo's handler: one ledger entry and one balance update per payment.

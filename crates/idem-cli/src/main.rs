@@ -48,6 +48,13 @@ enum Command {
     /// Hidden: one consumer process of the demo.
     #[command(hide = true)]
     DemoWorker(demo::WorkerArgs),
+    /// Hidden: recreate the demo's tables.
+    #[command(hide = true)]
+    DemoPrepare {
+        /// The database.
+        #[arg(long)]
+        database_url: String,
+    },
     /// Show marker rows, the oldest marker's age and dead letters, per consumer group.
     Stats {
         #[command(flatten)]
@@ -117,6 +124,7 @@ fn main() -> ExitCode {
             Command::Migrate { db } => commands::migrate(&db).await,
             Command::Demo(args) => demo::run(args).await,
             Command::DemoWorker(args) => demo::worker(args).await,
+            Command::DemoPrepare { database_url } => demo::prepare_only(&database_url).await,
             Command::Stats { db, json } => commands::stats(&db, json).await,
             Command::DeadLetters(DeadLetterCommand::List { db, group, limit, json }) => {
                 commands::list_dead_letters(&db, group.as_deref(), limit, json).await

@@ -46,6 +46,7 @@
 //! * [`source`]: the broker seam ([`Source`], [`Publisher`]) and its contract; [`log`]: the embedded log.
 //! * [`dead_letter`]: listing and replaying dead letters. [`fault`]: crash injection for tests and the demo.
 //! * [`error`]: errors that say whether a retry can help.
+//! * `kafka` (feature `kafka`): the Kafka source, the producer helper and the retention guard.
 #![warn(missing_docs)]
 
 pub mod config;
@@ -54,6 +55,8 @@ pub mod engine;
 pub mod error;
 pub mod fault;
 pub mod handler;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 pub mod key;
 pub mod log;
 pub mod message;

@@ -1,0 +1,301 @@
+//! The Kafka source: a librdkafka consumer polled on a thread of its own, whose messages, revocations and end
+//! reach the engine through one ordered channel.
+//!
+//! Revocation: librdkafka calls the rebalance callback on the polling thread before it lets partitions go. The
+//! callback puts a [`Received::Revoked`] into the channel (after every message already handed out) and waits
+//! until the engine has drained those partitions, then commits their acknowledged offsets synchronously and
+//! returns; only then are the partitions released. A consumer that lost its membership gets its late commits
+//! refused by the broker; its database work is still deduplicated by the markers.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{BorrowedMessage, Headers, Message as _};
+use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
+use tokio::sync::mpsc;
+
+use super::{KafkaConfig, kafka_error, topic_retention_ms};
+use crate::error::Error;
+use crate::message::Message;
+use crate::source::{Drained, Partition, Received, Source, SourceError};
+
+type Delivery = Result<Option<Received>, SourceError>;
+
+/// Called with the whole assignment after every rebalance.
+pub type AssignmentObserver = Arc<dyn Fn(&[Partition]) + Send + Sync>;
+
+struct Shared {
+    tx: mpsc::Sender<Delivery>,
+    stop: AtomicBool,
+    closing: AtomicBool,
+    stop_at_end: bool,
+    drain_timeout: Duration,
+    assigned: Mutex<HashSet<Partition>>,
+    acked: Mutex<HashMap<Partition, i64>>,
+    at_end: Mutex<HashSet<i32>>,
+    observer: Option<AssignmentObserver>,
+}
+
+struct Context(Arc<Shared>);
+
+impl ClientContext for Context {}
+
+impl ConsumerContext for Context {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        let shared = &self.0;
+        match rebalance {
+            Rebalance::Revoke(list) => {
+                let partitions = partitions_of(list);
+                tracing::info!(?partitions, "kafka: partitions revoked; draining");
+                if !shared.closing.load(Ordering::SeqCst) {
+                    let (drained, mut done) = Drained::channel();
+                    let revoked = Received::Revoked { partitions: partitions.clone(), drained };
+                    if shared.tx.blocking_send(Ok(Some(revoked))).is_ok() {
+                        let deadline = Instant::now() + shared.drain_timeout;
+                        while done.try_recv() == Err(tokio::sync::oneshot::error::TryRecvError::Empty) {
+                            if Instant::now() > deadline {
+                                tracing::warn!(?partitions, "kafka: drain timed out; letting the partitions go");
+                                break;
+                            }
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                    }
+                }
+                commit_acked(consumer, shared, &partitions, CommitMode::Sync);
+                let mut assigned = lock(&shared.assigned);
+                let mut acked = lock(&shared.acked);
+                for p in &partitions {
+                    assigned.remove(p);
+                    acked.remove(p);
+                    lock(&shared.at_end).remove(&p.partition);
+                }
+            }
+            Rebalance::Assign(list) => {
+                let partitions = partitions_of(list);
+                tracing::info!(?partitions, "kafka: partitions assigned");
+                lock(&shared.assigned).extend(partitions);
+            }
+            Rebalance::Error(error) => tracing::warn!(%error, "kafka: rebalance error"),
+        }
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, _rebalance: &Rebalance<'_>) {
+        if let Some(observer) = &self.0.observer {
+            let mut assigned: Vec<Partition> = lock(&self.0.assigned).iter().cloned().collect();
+            assigned.sort();
+            observer(&assigned);
+        }
+    }
+
+    fn commit_callback(&self, result: rdkafka::error::KafkaResult<()>, offsets: &TopicPartitionList) {
+        if let Err(error) = result {
+            tracing::warn!(%error, offsets = ?partitions_of(offsets),
+                "kafka: offset commit failed; those messages will be delivered again and absorbed as duplicates");
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn partitions_of(list: &TopicPartitionList) -> Vec<Partition> {
+    list.elements().iter().map(|e| Partition { topic: e.topic().to_owned(), partition: e.partition() }).collect()
+}
+
+/// Commits the acknowledged offsets of `partitions`.
+fn commit_acked(consumer: &BaseConsumer<Context>, shared: &Shared, partitions: &[Partition], mode: CommitMode) {
+    let acked = lock(&shared.acked);
+    let mut list = TopicPartitionList::new();
+    for p in partitions {
+        if let Some(&next) = acked.get(p) {
+            if let Err(error) = list.add_partition_offset(&p.topic, p.partition, Offset::Offset(next)) {
+                tracing::warn!(%error, "kafka: cannot build the offset list");
+            }
+        }
+    }
+    drop(acked);
+    if list.count() > 0 {
+        if let Err(error) = consumer.commit(&list, mode) {
+            tracing::warn!(%error, "kafka: committing drained offsets failed; they will be delivered again");
+        }
+    }
+}
+
+/// Consumes Kafka topics as a [`Source`]. See the module documentation for the revocation protocol.
+pub struct KafkaSource {
+    consumer: Arc<BaseConsumer<Context>>,
+    shared: Arc<Shared>,
+    rx: tokio::sync::Mutex<mpsc::Receiver<Delivery>>,
+    poller: Option<JoinHandle<()>>,
+}
+
+impl KafkaSource {
+    /// Validates `config`, runs the retention guard against every topic, subscribes and starts polling.
+    pub async fn connect(config: &KafkaConfig) -> Result<Self, Error> {
+        Self::connect_observed(config, None).await
+    }
+
+    /// Like [`KafkaSource::connect`], calling `observer` with the whole assignment after every rebalance.
+    pub async fn connect_observed(config: &KafkaConfig, observer: Option<AssignmentObserver>) -> Result<Self, Error> {
+        config.validate()?;
+        let mut retentions = Vec::with_capacity(config.topics.len());
+        for topic in &config.topics {
+            let retention = match topic_retention_ms(&config.brokers, topic).await {
+                Ok(retention) => retention,
+                Err(error) => {
+                    tracing::warn!(topic, %error, "kafka: cannot read the topic's retention.ms");
+                    None
+                }
+            };
+            retentions.push((topic.clone(), retention));
+        }
+        config.retention.check(&retentions)?;
+
+        let (tx, rx) = mpsc::channel(1024);
+        let shared = Arc::new(Shared {
+            tx,
+            stop: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+            stop_at_end: config.stop_at_end,
+            drain_timeout: config.drain_timeout,
+            assigned: Mutex::new(HashSet::new()),
+            acked: Mutex::new(HashMap::new()),
+            at_end: Mutex::new(HashSet::new()),
+            observer,
+        });
+        let mut client = ClientConfig::new();
+        client
+            .set("bootstrap.servers", &config.brokers)
+            .set("group.id", &config.group)
+            .set("auto.offset.reset", "earliest")
+            .set("enable.partition.eof", if config.stop_at_end { "true" } else { "false" });
+        for (key, value) in &config.settings {
+            client.set(key, value);
+        }
+        // Last, so nothing can turn them back on.
+        client.set("enable.auto.commit", "false").set("enable.auto.offset.store", "false");
+        let consumer: BaseConsumer<Context> = client
+            .create_with_context(Context(Arc::clone(&shared)))
+            .map_err(|e| Error::Config(format!("kafka consumer: {e}")))?;
+        let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&topics).map_err(|e| Error::Source(kafka_error("kafka subscribe", e)))?;
+        let consumer = Arc::new(consumer);
+        let poller = {
+            let (consumer, shared) = (Arc::clone(&consumer), Arc::clone(&shared));
+            std::thread::Builder::new()
+                .name("idem-kafka-poll".into())
+                .spawn(move || poll_loop(&consumer, &shared))
+                .map_err(|e| Error::Config(format!("cannot start the kafka polling thread: {e}")))?
+        };
+        Ok(KafkaSource { consumer, shared, rx: tokio::sync::Mutex::new(rx), poller: Some(poller) })
+    }
+
+    /// The partitions assigned to this consumer now.
+    pub fn assignment(&self) -> Vec<Partition> {
+        let mut assigned: Vec<Partition> = lock(&self.shared.assigned).iter().cloned().collect();
+        assigned.sort();
+        assigned
+    }
+}
+
+fn poll_loop(consumer: &BaseConsumer<Context>, shared: &Shared) {
+    while !shared.stop.load(Ordering::SeqCst) {
+        let delivery = match consumer.poll(Duration::from_millis(100)) {
+            None => continue,
+            Some(Ok(message)) => {
+                lock(&shared.at_end).remove(&message.partition());
+                Ok(Some(Received::Message(owned(&message))))
+            }
+            Some(Err(KafkaError::PartitionEOF(partition))) => {
+                if !shared.stop_at_end {
+                    continue;
+                }
+                let mut at_end = lock(&shared.at_end);
+                at_end.insert(partition);
+                let assigned = lock(&shared.assigned);
+                if assigned.is_empty() || !assigned.iter().all(|p| at_end.contains(&p.partition)) {
+                    continue;
+                }
+                tracing::info!("kafka: every assigned partition is at its end");
+                Ok(None)
+            }
+            Some(Err(error)) => {
+                tracing::warn!(%error, "kafka: consumer error");
+                let error = kafka_error("kafka consume", error);
+                if error.retry() == crate::Retry::Helps {
+                    continue;
+                }
+                Err(error)
+            }
+        };
+        let end = matches!(delivery, Ok(None) | Err(_));
+        if shared.tx.blocking_send(delivery).is_err() || end {
+            break;
+        }
+    }
+}
+
+fn owned(message: &BorrowedMessage<'_>) -> Message {
+    let headers = message
+        .headers()
+        .map(|h| h.iter().map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec).unwrap_or_default())).collect())
+        .unwrap_or_default();
+    Message {
+        topic: message.topic().to_owned(),
+        partition: message.partition(),
+        offset: message.offset(),
+        key: message.key().map(<[u8]>::to_vec),
+        payload: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+        headers,
+        timestamp_ms: message.timestamp().to_millis(),
+    }
+}
+
+impl Source for KafkaSource {
+    async fn recv(&self) -> Result<Option<Received>, SourceError> {
+        let mut rx = self.rx.lock().await;
+        match rx.recv().await {
+            Some(delivery) => delivery,
+            None => Ok(None),
+        }
+    }
+
+    async fn ack(&self, topic: &str, partition: i32, offset: i64) -> Result<(), SourceError> {
+        let key = Partition { topic: topic.to_owned(), partition };
+        if !lock(&self.shared.assigned).contains(&key) {
+            return Err(SourceError::permanent(
+                "kafka ack",
+                format!(
+                    "{topic}/{partition} is no longer assigned to this consumer; its new owner redelivers from the last commit"
+                ),
+            ));
+        }
+        lock(&self.shared.acked).insert(key, offset + 1);
+        let mut list = TopicPartitionList::new();
+        list.add_partition_offset(topic, partition, Offset::Offset(offset + 1))
+            .map_err(|e| kafka_error("kafka ack", e))?;
+        self.consumer.commit(&list, CommitMode::Async).map_err(|e| kafka_error("kafka commit", e))
+    }
+}
+
+impl Drop for KafkaSource {
+    /// Stops polling, commits what was acknowledged, and leaves the group (the revocation this causes does not
+    /// wait for an engine that is gone).
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.closing.store(true, Ordering::SeqCst);
+        self.rx.get_mut().close();
+        while let Ok(_undelivered) = self.rx.get_mut().try_recv() {}
+        if let Some(poller) = self.poller.take() {
+            let _ = poller.join();
+        }
+        let assigned: Vec<Partition> = lock(&self.shared.assigned).iter().cloned().collect();
+        commit_acked(&self.consumer, &self.shared, &assigned, CommitMode::Sync);
+    }
+}

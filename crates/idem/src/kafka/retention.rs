@@ -1,0 +1,140 @@
+//! The retention guard (document 000 step 4, failure row 3): markers must outlive the broker's retention, or a
+//! consumer reset to the earliest offset replays events whose markers are gone and applies them again.
+
+use std::time::Duration;
+
+use crate::error::Error;
+
+/// The margin markers must keep over the broker's retention.
+pub const MARGIN: f64 = 1.1;
+
+/// What the guard compares against the broker.
+#[derive(Debug, Clone, Default)]
+pub struct RetentionPolicy {
+    /// How long markers are kept before pruning; `None` means they are never pruned.
+    pub marker_retention: Option<Duration>,
+    /// Accept pruned markers against a topic with infinite retention (`retention.ms=-1`). Logged at WARN.
+    pub accept_infinite_topic_retention: bool,
+}
+
+/// The guard's verdict on one topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Safe.
+    Pass,
+    /// Allowed, but an operator should know (unknown retention, overridden infinite retention).
+    Warn(String),
+    /// Refused: start-up stops with this message.
+    Refuse(String),
+}
+
+impl RetentionPolicy {
+    /// Judges `topic` whose `retention.ms` is `broker_ms` (`None`: the broker did not say).
+    pub fn judge(&self, topic: &str, broker_ms: Option<i64>) -> Verdict {
+        let markers = self.marker_retention;
+        let Some(broker_ms) = broker_ms else {
+            return Verdict::Warn(format!(
+                "topic {topic}: the broker did not report retention.ms, so marker retention ({}) cannot be checked \
+                 against it; set retention.ms on the topic explicitly",
+                describe(markers)
+            ));
+        };
+        if broker_ms < 0 {
+            return match markers {
+                None => Verdict::Pass,
+                Some(_) if self.accept_infinite_topic_retention => Verdict::Warn(format!(
+                    "topic {topic} keeps messages forever (retention.ms=-1) but markers are pruned after {}: a reset \
+                     to the earliest offset would re-apply older events (accepted by override)",
+                    describe(markers)
+                )),
+                Some(_) => Verdict::Refuse(format!(
+                    "topic {topic} keeps messages forever (retention.ms=-1) but markers are pruned after {}: a reset \
+                     to the earliest offset would re-apply every older event. Fix: never prune markers \
+                     (marker_retention = none), give the topic a finite retention.ms, or accept the risk explicitly \
+                     (accept_infinite_topic_retention)",
+                    describe(markers)
+                )),
+            };
+        }
+        let broker = Duration::from_millis(broker_ms as u64);
+        match markers {
+            None => Verdict::Pass,
+            Some(kept) if kept.as_secs_f64() >= broker.as_secs_f64() * MARGIN => Verdict::Pass,
+            Some(kept) => {
+                let needed = Duration::from_secs_f64(broker.as_secs_f64() * MARGIN);
+                Verdict::Refuse(format!(
+                    "marker retention {} is below {MARGIN} × the retention of topic {topic} ({}): a consumer reset to \
+                     the earliest offset would replay events whose markers were pruned and apply them twice. \
+                     Fix: keep markers at least {} (or shorten the topic's retention.ms)",
+                    human(kept),
+                    human(broker),
+                    human(needed)
+                ))
+            }
+        }
+    }
+
+    /// Judges every topic: the first refusal is an error; warnings are logged.
+    pub fn check(&self, topics: &[(String, Option<i64>)]) -> Result<(), Error> {
+        for (topic, broker_ms) in topics {
+            match self.judge(topic, *broker_ms) {
+                Verdict::Pass => tracing::info!(topic, broker_retention_ms = ?broker_ms, "retention guard passed"),
+                Verdict::Warn(message) => tracing::warn!(topic, "{message}"),
+                Verdict::Refuse(message) => return Err(Error::Config(format!("retention guard: {message}"))),
+            }
+        }
+        Ok(())
+    }
+}
+
+fn describe(markers: Option<Duration>) -> String {
+    markers.map_or("never pruned".to_owned(), human)
+}
+
+fn human(d: Duration) -> String {
+    let hours = d.as_secs_f64() / 3600.0;
+    if hours >= 48.0 { format!("{:.1} days", hours / 24.0) } else { format!("{hours:.1} hours") }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DAY: u64 = 86_400;
+    const WEEK_MS: i64 = 7 * 86_400_000;
+
+    fn policy(days: Option<u64>) -> RetentionPolicy {
+        RetentionPolicy { marker_retention: days.map(|d| Duration::from_secs(d * DAY)), ..Default::default() }
+    }
+
+    #[test]
+    fn three_days_against_seven_is_refused_with_both_values_and_the_fix() {
+        let Verdict::Refuse(message) = policy(Some(3)).judge("payments", Some(WEEK_MS)) else { panic!() };
+        assert!(
+            message.contains("3.0 days") && message.contains("7.0 days") && message.contains("7.7 days"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn eight_days_against_seven_passes() {
+        assert_eq!(policy(Some(8)).judge("payments", Some(WEEK_MS)), Verdict::Pass);
+        assert!(matches!(policy(Some(7)).judge("payments", Some(WEEK_MS)), Verdict::Refuse(_)), "7 < 7.7");
+    }
+
+    #[test]
+    fn infinite_topic_retention_needs_unpruned_markers_or_an_override() {
+        assert_eq!(policy(None).judge("t", Some(-1)), Verdict::Pass);
+        assert!(matches!(policy(Some(30)).judge("t", Some(-1)), Verdict::Refuse(m) if m.contains("retention.ms=-1")));
+        let mut overridden = policy(Some(30));
+        overridden.accept_infinite_topic_retention = true;
+        assert!(matches!(overridden.judge("t", Some(-1)), Verdict::Warn(_)));
+    }
+
+    #[test]
+    fn unknown_retention_is_a_warning() {
+        assert!(matches!(policy(Some(8)).judge("t", None), Verdict::Warn(m) if m.contains("retention.ms")));
+        assert!(policy(Some(8)).check(&[("t".into(), None)]).is_ok());
+        assert!(policy(Some(3)).check(&[("t".into(), Some(WEEK_MS))]).is_err());
+    }
+}
