@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Runs idem's whole test suite: makes sure the services the tests use are up, then `cargo test`.
+# Kafka: the cluster at $IDEM_KAFKA_BROKERS, or scripts/kafka.sh starts a Kafka-compatible broker on 127.0.0.1:9092.
 # PostgreSQL must be installed (127.0.0.1:5432, trust auth for user postgres); it is started if it is stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,5 +26,9 @@ ensure_postgres() {
 }
 
 ensure_postgres
+# Kafka: a cluster named by IDEM_KAFKA_BROKERS, or the project's broker on 127.0.0.1:9092 (scripts/kafka.sh).
+if [ -z "${IDEM_KAFKA_BROKERS:-}" ]; then
+  scripts/kafka.sh up
+fi
 cargo test --workspace --all-targets "$@"
 cargo test --workspace --doc

@@ -1,12 +1,12 @@
 //! The operator's commands: migrate, stats, dead letters.
 
-use std::path::Path;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::bail;
-use idem::Tables;
 use idem::log::EmbeddedLog;
 use idem::store::{DeadLetter, GroupStats};
+use idem::{Publisher, Tables};
 
 use crate::db::{self, Db};
 use crate::{DbArgs, with_pool};
@@ -88,10 +88,18 @@ pub async fn list_dead_letters(args: &DbArgs, group: Option<&str>, limit: i64, j
     Ok(ExitCode::SUCCESS)
 }
 
+/// Where replayed dead letters are published.
+pub enum ReplayTarget {
+    /// An embedded log directory.
+    Log(PathBuf),
+    /// Kafka brokers.
+    Kafka(String),
+}
+
 /// `idem dead-letters replay`.
 pub async fn replay_dead_letters(
     args: &DbArgs,
-    log_dir: &Path,
+    target: &ReplayTarget,
     ids: &[i64],
     all: bool,
     group: Option<&str>,
@@ -101,8 +109,6 @@ pub async fn replay_dead_letters(
     }
     let tables = db::tables(args)?;
     let db = Db::open(&args.database_url, 1).await?;
-    let log = EmbeddedLog::open(log_dir)?;
-    let producer = log.producer();
     let letters: Vec<DeadLetter> =
         dead_letters(&db, &tables, group, i64::MAX).await?.into_iter().filter(|l| all || ids.contains(&l.id)).collect();
     for id in ids {
@@ -110,14 +116,29 @@ pub async fn replay_dead_letters(
             bail!("no dead letter with id {id}; see `idem dead-letters list`");
         }
     }
+    let replayed = match target {
+        ReplayTarget::Log(dir) => replay_through(&db, &tables, &EmbeddedLog::open(dir)?.producer(), &letters).await?,
+        ReplayTarget::Kafka(brokers) => {
+            replay_through(&db, &tables, &idem::kafka::KafkaProducer::new(brokers)?, &letters).await?
+        }
+    };
+    println!("{replayed} dead letter(s) replayed");
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn replay_through<P: Publisher>(
+    db: &Db,
+    tables: &Tables,
+    publisher: &P,
+    letters: &[DeadLetter],
+) -> anyhow::Result<usize> {
     let mut replayed = 0;
-    for letter in &letters {
-        let done = with_pool!(&db, pool => idem::dead_letter::replay(pool, &tables, &producer, letter).await?);
+    for letter in letters {
+        let done = with_pool!(db, pool => idem::dead_letter::replay(pool, tables, publisher, letter).await?);
         if done {
             replayed += 1;
             println!("replayed {} ({})", letter.id, letter.event_id.as_deref().unwrap_or("no key"));
         }
     }
-    println!("{replayed} dead letter(s) replayed");
-    Ok(ExitCode::SUCCESS)
+    Ok(replayed)
 }

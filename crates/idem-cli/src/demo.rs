@@ -348,8 +348,9 @@ async fn write_kafka(brokers: &str, topic: &str, partitions: i32, records: &[(i6
     let producer = std::sync::Arc::new(idem::kafka::KafkaProducer::new(brokers)?);
     for chunk in records.chunks(2000) {
         let mut sends = tokio::task::JoinSet::new();
-        for (account, payload) in chunk.iter().cloned() {
-            let (producer, topic) = (std::sync::Arc::clone(&producer), topic.to_owned());
+        for (account, payload) in chunk {
+            let (producer, topic, account, payload) =
+                (std::sync::Arc::clone(&producer), topic.to_owned(), *account, payload.clone());
             sends.spawn(async move {
                 producer.send(&topic, Some(account.to_string().as_bytes()), payload.as_bytes(), &[]).await
             });

@@ -89,8 +89,11 @@ enum DeadLetterCommand {
         #[command(flatten)]
         db: DbArgs,
         /// The embedded log to publish to.
+        #[arg(long, required_unless_present = "kafka", conflicts_with = "kafka")]
+        log_dir: Option<PathBuf>,
+        /// The Kafka brokers to publish to (host:port), instead of an embedded log.
         #[arg(long)]
-        log_dir: PathBuf,
+        kafka: Option<String>,
         /// Dead-letter ids to replay (see `list`).
         ids: Vec<i64>,
         /// Replay every dead letter (of --group, if given).
@@ -129,8 +132,13 @@ fn main() -> ExitCode {
             Command::DeadLetters(DeadLetterCommand::List { db, group, limit, json }) => {
                 commands::list_dead_letters(&db, group.as_deref(), limit, json).await
             }
-            Command::DeadLetters(DeadLetterCommand::Replay { db, log_dir, ids, all, group }) => {
-                commands::replay_dead_letters(&db, &log_dir, &ids, all, group.as_deref()).await
+            Command::DeadLetters(DeadLetterCommand::Replay { db, log_dir, kafka, ids, all, group }) => {
+                let target = match (log_dir, kafka) {
+                    (_, Some(brokers)) => commands::ReplayTarget::Kafka(brokers),
+                    (Some(dir), None) => commands::ReplayTarget::Log(dir),
+                    (None, None) => return Err(anyhow::anyhow!("give --log-dir or --kafka")),
+                };
+                commands::replay_dead_letters(&db, &target, &ids, all, group.as_deref()).await
             }
         }
     });

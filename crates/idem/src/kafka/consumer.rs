@@ -113,17 +113,17 @@ fn commit_acked(consumer: &BaseConsumer<Context>, shared: &Shared, partitions: &
     let acked = lock(&shared.acked);
     let mut list = TopicPartitionList::new();
     for p in partitions {
-        if let Some(&next) = acked.get(p) {
-            if let Err(error) = list.add_partition_offset(&p.topic, p.partition, Offset::Offset(next)) {
-                tracing::warn!(%error, "kafka: cannot build the offset list");
-            }
+        if let Some(&next) = acked.get(p)
+            && let Err(error) = list.add_partition_offset(&p.topic, p.partition, Offset::Offset(next))
+        {
+            tracing::warn!(%error, "kafka: cannot build the offset list");
         }
     }
     drop(acked);
-    if list.count() > 0 {
-        if let Err(error) = consumer.commit(&list, mode) {
-            tracing::warn!(%error, "kafka: committing drained offsets failed; they will be delivered again");
-        }
+    if list.count() > 0
+        && let Err(error) = consumer.commit(&list, mode)
+    {
+        tracing::warn!(%error, "kafka: committing drained offsets failed; they will be delivered again");
     }
 }
 

@@ -1,0 +1,121 @@
+//! Kafka, against a real broker (`IDEM_KAFKA_BROKERS`, default 127.0.0.1:9092; `scripts/kafka.sh up` starts
+//! one): the retention guard, the auto-commit refusal, committed offsets surviving a restart.
+#![cfg(feature = "kafka")]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Ledger, TestPool, config, ledger_total};
+use idem::kafka::{KafkaConfig, KafkaProducer, KafkaSource, RetentionPolicy, create_topic};
+use idem::{Engine, Outcome};
+
+const WEEK_MS: i64 = 7 * 86_400_000;
+const DAY: Duration = Duration::from_secs(86_400);
+
+fn brokers() -> String {
+    std::env::var("IDEM_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".to_owned())
+}
+
+fn unique(prefix: &str) -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!("{prefix}-{}-{nanos}", std::process::id())
+}
+
+fn markers_for(days: u64) -> RetentionPolicy {
+    RetentionPolicy { marker_retention: Some(DAY * days as u32), ..RetentionPolicy::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_guard_refuses_3_days_against_7_and_passes_8() {
+    let topic = unique("retention");
+    create_topic(&brokers(), &topic, 1, WEEK_MS).await.expect("create topic (is the broker up? scripts/kafka.sh up)");
+    assert_eq!(idem::kafka::topic_retention_ms(&brokers(), &topic).await.unwrap(), Some(WEEK_MS));
+
+    let mut short = KafkaConfig::new(brokers(), unique("g"), &[&topic]);
+    short.retention = markers_for(3);
+    let err = KafkaSource::connect(&short).await.err().expect("3 days against 7 must be refused").to_string();
+    assert!(err.contains("3.0 days") && err.contains("7.0 days") && err.contains("Fix"), "{err}");
+
+    let mut long = KafkaConfig::new(brokers(), unique("g"), &[&topic]);
+    long.retention = markers_for(8);
+    let source = KafkaSource::connect(&long).await.expect("8 days against 7 passes");
+    drop(source);
+
+    let infinite = unique("forever");
+    create_topic(&brokers(), &infinite, 1, -1).await.unwrap();
+    let mut pruned = KafkaConfig::new(brokers(), unique("g"), &[&infinite]);
+    pruned.retention = markers_for(30);
+    let err = KafkaSource::connect(&pruned).await.err().expect("pruned markers against -1").to_string();
+    assert!(err.contains("retention.ms=-1"), "{err}");
+    pruned.retention.accept_infinite_topic_retention = true;
+    drop(KafkaSource::connect(&pruned).await.expect("explicit override"));
+}
+
+#[tokio::test]
+async fn auto_commit_is_refused_at_start_up() {
+    let config = KafkaConfig::new(brokers(), "g", &["t"]).set("enable.auto.commit", "true");
+    let err = KafkaSource::connect(&config).await.err().expect("refused").to_string();
+    assert!(err.contains("enable.auto.commit=true"), "{err}");
+}
+
+/// Committed offsets survive a consumer restart; what was handed out but not acknowledged comes again and is
+/// absorbed by the markers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn committed_offsets_survive_a_restart_and_the_rest_is_redelivered() {
+    let db = common::pg().await;
+    common::setup(&db.pool).await;
+    let topic = unique("restart");
+    let group = unique("ledger");
+    create_topic(&brokers(), &topic, 2, WEEK_MS).await.unwrap();
+    let producer = KafkaProducer::new(&brokers()).unwrap();
+    let mut expected = 0;
+    for n in 0..200i64 {
+        let payload = format!(r#"{{"id":"k{n}","amount":{n}}}"#);
+        producer.send(&topic, Some(format!("{}", n % 7).as_bytes()), payload.as_bytes(), &[]).await.unwrap();
+        expected += n;
+    }
+    let consume = |stop_at_end: bool| {
+        let mut kafka = KafkaConfig::new(brokers(), group.clone(), &[&topic]).set("session.timeout.ms", "6000");
+        kafka.stop_at_end = stop_at_end;
+        kafka
+    };
+
+    // First consumer: all 200, acknowledged and committed, then it leaves the group.
+    let source = KafkaSource::connect(&consume(true)).await.unwrap();
+    let engine = Engine::new(db.pool.clone(), idem::Config { group: group.clone(), ..config(20) }).unwrap();
+    let stats = engine.run(source, Ledger::default(), std::future::pending::<()>()).await.unwrap();
+    assert_eq!(stats.processed, 200);
+    assert_eq!(ledger_total(&db.pool).await, expected);
+
+    // 100 more; a consumer takes 60 of them but "crashes" without acknowledging (its engine never acks).
+    for n in 200..300i64 {
+        let payload = format!(r#"{{"id":"k{n}","amount":{n}}}"#);
+        producer.send(&topic, Some(format!("{}", n % 7).as_bytes()), payload.as_bytes(), &[]).await.unwrap();
+        expected += n;
+    }
+    {
+        use idem::{Received, Source};
+        let source = KafkaSource::connect(&consume(false)).await.unwrap();
+        let mut taken = Vec::new();
+        while taken.len() < 60 {
+            match tokio::time::timeout(Duration::from_secs(30), source.recv()).await.expect("messages arrive") {
+                Ok(Some(Received::Message(m))) => taken.push(m),
+                Ok(Some(Received::Revoked { drained, .. })) => drained.done(),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert!(taken.iter().all(|m| m.offset >= 0));
+        let outcomes = engine.process(taken, &Ledger::default()).await.unwrap();
+        assert!(outcomes.iter().all(|o| *o == Outcome::Processed), "committed offsets were respected: {outcomes:?}");
+        // Dropped here without acknowledging: as after a kill between commit and acknowledgement.
+    }
+
+    // A restarted consumer resumes at the committed offsets: the 60 come again (duplicates), the rest is new.
+    let source = KafkaSource::connect(&consume(true)).await.unwrap();
+    let engine = Engine::new(db.pool.clone(), idem::Config { group: group.clone(), ..config(20) }).unwrap();
+    let stats = engine.run(source, Ledger::default(), std::future::pending::<()>()).await.unwrap();
+    assert_eq!((stats.processed, stats.duplicate), (40, 60));
+    assert_eq!(ledger_total(&db.pool).await, expected);
+    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM ledger").await, 300);
+}
