@@ -142,3 +142,59 @@ async fn replay_through<P: Publisher>(
     }
     Ok(replayed)
 }
+
+/// `idem prune`.
+pub async fn prune(
+    args: &DbArgs,
+    retention: &str,
+    group: Option<&str>,
+    pruning: &idem::Pruning,
+    dry_run: bool,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    let retention = idem::prune::parse_duration(retention)?;
+    if pruning.batch_size == 0 {
+        anyhow::bail!("--batch-size 0: use at least 1 (default 10000)");
+    }
+    let tables = db::tables(args)?;
+    let db = Db::open(&args.database_url, 1).await?;
+    let expired = with_pool!(&db, pool => idem::prune::count_expired(pool, &tables, group, retention).await?);
+    if dry_run {
+        if json {
+            println!("{}", serde_json::json!({ "dry_run": true, "would_delete": expired }));
+        } else {
+            println!("{expired} marker(s) older than {retention:?} would be deleted");
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let bar = indicatif::ProgressBar::new(u64::try_from(expired).unwrap_or(0));
+    if json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} pruning {bar:40} {pos}/{len} markers {per_sec}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let report = with_pool!(&db, pool => idem::prune::prune(pool, &tables, group, retention, pruning, |done| bar.set_position(done)).await?);
+    bar.finish_and_clear();
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "deleted": report.deleted,
+                "statements": report.statements,
+                "longest_statement_ms": report.longest_statement.as_secs_f64() * 1000.0,
+                "seconds": report.elapsed.as_secs_f64(),
+            })
+        );
+    } else {
+        println!(
+            "deleted {} marker(s) in {} statement(s) over {:.1} s; longest statement {:.1} ms",
+            report.deleted,
+            report.statements,
+            report.elapsed.as_secs_f64(),
+            report.longest_statement.as_secs_f64() * 1000.0
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -550,8 +550,7 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     let db = Db::open(&args.database_url, args.connections).await?;
     match (&args.kafka, &args.log_dir) {
         (Some(brokers), _) => {
-            let mut kafka =
-                idem::kafka::KafkaConfig::new(brokers.as_str(), args.group.as_str(), &[args.topic.as_str()]);
+            let mut kafka = idem::kafka::KafkaConfig::new(brokers.as_str(), &[args.topic.as_str()]);
             for setting in &args.kafka_settings {
                 let Some((key, value)) = setting.split_once('=') else {
                     bail!("--kafka-setting `{setting}` is not KEY=VALUE");
@@ -560,7 +559,7 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
             }
             kafka.stop_at_end = !args.follow;
             let observer: idem::kafka::consumer::AssignmentObserver = std::sync::Arc::new(report_assignment);
-            let source = idem::kafka::KafkaSource::connect_observed(&kafka, Some(observer)).await?;
+            let source = idem::kafka::KafkaSource::connect_observed(&kafka, &config, Some(observer)).await?;
             with_pool!(db, pool => consume_with(pool, source, config, Credit).await?);
         }
         (None, Some(dir)) => {

@@ -17,6 +17,9 @@ struct Cli {
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, global = true, env = "IDEM_LOG", default_value = "warn")]
     log: String,
+    /// Log format: `text` (human-readable) or `json` (one object per line).
+    #[arg(long, global = true, env = "IDEM_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -66,6 +69,29 @@ enum Command {
     /// List or replay dead-lettered messages.
     #[command(subcommand)]
     DeadLetters(DeadLetterCommand),
+    /// Delete markers older than the retention, in bounded batches (one pass); --dry-run only counts them.
+    Prune {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Keep markers this long: e.g. 8d, 36h, 90m. Keep it above how long the broker can redeliver.
+        #[arg(long)]
+        retention: String,
+        /// Only this consumer group's markers (default: every group's).
+        #[arg(long)]
+        group: Option<String>,
+        /// Rows per DELETE statement.
+        #[arg(long, default_value_t = 10_000)]
+        batch_size: u32,
+        /// Pause between statements, in milliseconds.
+        #[arg(long, default_value_t = 200)]
+        pause_ms: u64,
+        /// Count what would be deleted, delete nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -114,7 +140,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    tracing_subscriber::fmt().with_max_level(level).with_writer(std::io::stderr).init();
+    let logs = tracing_subscriber::fmt().with_max_level(level).with_writer(std::io::stderr);
+    if cli.log_format == "json" {
+        logs.json().flatten_event(true).init();
+    } else {
+        logs.init();
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -129,6 +160,14 @@ fn main() -> ExitCode {
             Command::DemoWorker(args) => demo::worker(args).await,
             Command::DemoPrepare { database_url } => demo::prepare_only(&database_url).await,
             Command::Stats { db, json } => commands::stats(&db, json).await,
+            Command::Prune { db, retention, group, batch_size, pause_ms, dry_run, json } => {
+                let pruning = idem::Pruning {
+                    batch_size,
+                    pause: std::time::Duration::from_millis(pause_ms),
+                    ..idem::Pruning::default()
+                };
+                commands::prune(&db, &retention, group.as_deref(), &pruning, dry_run, json).await
+            }
             Command::DeadLetters(DeadLetterCommand::List { db, group, limit, json }) => {
                 commands::list_dead_letters(&db, group.as_deref(), limit, json).await
             }

@@ -25,6 +25,37 @@ pub struct Config {
     pub backoff_max: Duration,
     /// Table names (schema and prefix).
     pub tables: Tables,
+    /// How markers are pruned.
+    pub pruning: Pruning,
+    /// How often the consumer refreshes the marker gauges (`processed_events_row_count`,
+    /// `processed_events_oldest_age_seconds`, `dead_letters_stored`) with a count. Default 60 s.
+    pub stats_interval: Duration,
+}
+
+/// How markers are pruned: in bounded batches, never in one unbounded `DELETE`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pruning {
+    /// Markers older than this are deleted; `None` (the default) keeps them forever. Must exceed how long the
+    /// broker can redeliver: on Kafka, the retention guard refuses to start below 1.1 × the topic's
+    /// `retention.ms`.
+    pub retention: Option<Duration>,
+    /// How often the consumer's background pruner runs (it runs whenever a retention is set). Default 5 min.
+    pub interval: Duration,
+    /// Rows deleted per statement. Default 10,000.
+    pub batch_size: u32,
+    /// Pause between two statements, so the consumer keeps the table. Default 200 ms.
+    pub pause: Duration,
+}
+
+impl Default for Pruning {
+    fn default() -> Self {
+        Pruning {
+            retention: None,
+            interval: Duration::from_secs(300),
+            batch_size: 10_000,
+            pause: Duration::from_millis(200),
+        }
+    }
 }
 
 impl Config {
@@ -38,7 +69,15 @@ impl Config {
             backoff_initial: Duration::from_millis(50),
             backoff_max: Duration::from_secs(5),
             tables: Tables::default(),
+            pruning: Pruning::default(),
+            stats_interval: Duration::from_secs(60),
         }
+    }
+
+    /// Keeps markers for `retention`, pruning older ones in the background (see [`Pruning`]).
+    pub fn marker_retention(mut self, retention: Duration) -> Self {
+        self.pruning.retention = Some(retention);
+        self
     }
 
     /// Sets [`Config::batch_size`].
@@ -85,6 +124,24 @@ impl Config {
                 "backoff: initial {:?} must be above zero and at most the maximum {:?}",
                 self.backoff_initial, self.backoff_max
             )));
+        }
+        if self.pruning.retention.is_some_and(|r| r < Duration::from_secs(60)) {
+            return Err(Error::Config(
+                "pruning.retention is under a minute: keep markers longer than the broker can redeliver (e.g. 8 days)"
+                    .into(),
+            ));
+        }
+        if self.pruning.batch_size == 0 || self.pruning.batch_size > 1_000_000 {
+            return Err(Error::Config(format!(
+                "pruning.batch_size = {} is out of range: use 1 to 1000000 (default 10000)",
+                self.pruning.batch_size
+            )));
+        }
+        if self.stats_interval.is_zero() {
+            return Err(Error::Config("stats_interval is zero: use e.g. 60 seconds".into()));
+        }
+        if self.pruning.interval.is_zero() {
+            return Err(Error::Config("pruning.interval is zero: use e.g. 5 minutes".into()));
         }
         Ok(())
     }

@@ -293,6 +293,7 @@ impl<DB: Backend> Engine<DB> {
         shutdown: impl Future + Send,
     ) -> Result<StatsSnapshot, Error> {
         let source = Arc::new(source);
+        let _housekeeping = AbortOnDrop(tokio::spawn(self.clone().housekeeping()));
         let (fatal_tx, mut fatal_rx) = mpsc::unbounded_channel::<Error>();
         let mut workers: HashMap<Partition, Worker> = HashMap::new();
         let mut shutdown = std::pin::pin!(shutdown);
@@ -411,7 +412,11 @@ impl<DB: Backend> Engine<DB> {
                     let _ = fatal.send(error);
                     return;
                 }
+                let committed = Instant::now();
                 engine.ack(source.as_ref(), &partition, last).await;
+                metrics::gauge!("consumer_offset_commit_lag_seconds", "consumer_group" => engine.inner.config.group.clone(),
+                    "topic" => partition.topic.clone(), "partition" => partition.partition.to_string())
+                .set(committed.elapsed().as_secs_f64());
             }
         });
         Worker { queue, stopping, task }
@@ -486,6 +491,10 @@ impl<DB: Backend> Engine<DB> {
             attempts += 1;
             match self.transaction(items, apply).await {
                 Ok(outcomes) => {
+                    let topic = items.first().map_or("", |i| i.message().topic.as_str());
+                    metrics::histogram!("event_handle_duration_seconds", "consumer_group" => config.group.clone(),
+                        "topic" => topic.to_owned())
+                    .record(started.elapsed().as_secs_f64());
                     self.log_outcomes(items, &outcomes, started);
                     return Ok(Ok(outcomes));
                 }
@@ -497,7 +506,7 @@ impl<DB: Backend> Engine<DB> {
                         let reason = format!("gave up after {attempts} attempts: {reason}");
                         return Ok(Err((at, reason, attempts)));
                     }
-                    self.inner.stats.retried.fetch_add(1, Ordering::Relaxed);
+                    self.count_retry(items);
                     let delay = config.backoff_for(attempts);
                     tracing::warn!(group = %config.group, reason, attempt = attempts, ?delay, "retryable handler error; retrying the batch");
                     tokio::time::sleep(delay).await;
@@ -505,7 +514,7 @@ impl<DB: Backend> Engine<DB> {
                 Err(Failure::Database(error)) if classify(&error) == Retry::Helps => {
                     attempts -= 1;
                     outages += 1;
-                    self.inner.stats.retried.fetch_add(1, Ordering::Relaxed);
+                    self.count_retry(items);
                     let delay = config.backoff_for(outages);
                     tracing::warn!(group = %config.group, %error, ?delay, "transient database error; retrying the batch");
                     tokio::time::sleep(delay).await;
@@ -575,7 +584,8 @@ impl<DB: Backend> Engine<DB> {
                 Retry::Useless => Failure::Database(error),
             });
         }
-        self.committed(&outcomes);
+        let topic = items.first().map_or("", |i| i.message().topic.as_str());
+        self.committed(topic, &outcomes);
         inner.faults.reached(FaultPoint::AfterCommit);
         Ok(outcomes)
     }
@@ -615,8 +625,7 @@ impl<DB: Backend> Engine<DB> {
             if !is_new.first().copied().unwrap_or(false) {
                 // Another consumer handled it in the meantime: nothing to dead-letter.
                 tx.rollback().await?;
-                let outcomes = [Outcome::Duplicate];
-                self.committed(&outcomes);
+                self.committed(&item.message().topic, &[Outcome::Duplicate]);
                 return Ok(Outcome::Duplicate);
             }
         }
@@ -629,13 +638,14 @@ impl<DB: Backend> Engine<DB> {
         DB::dead_letter(&mut tx, &config.tables, &config.group, &letter).await?;
         inner.faults.reached(FaultPoint::BeforeCommit);
         tx.commit().await?;
-        self.committed(&[Outcome::DeadLettered]);
+        self.committed(&item.message().topic, &[Outcome::DeadLettered]);
         inner.faults.reached(FaultPoint::AfterCommit);
         Ok(Outcome::DeadLettered)
     }
 
-    /// Counts a committed transaction's outcomes and tells the observer.
-    fn committed(&self, outcomes: &[Outcome]) {
+    /// Counts a committed transaction's outcomes (all of one partition, so of one topic) and tells the
+    /// observer.
+    fn committed(&self, topic: &str, outcomes: &[Outcome]) {
         let mut report = Committed::default();
         for &outcome in outcomes {
             self.inner.stats.count(outcome);
@@ -645,9 +655,28 @@ impl<DB: Backend> Engine<DB> {
                 Outcome::DeadLettered => report.dead_lettered += 1,
             }
         }
+        for (outcome, n) in [
+            (Outcome::Processed, report.processed),
+            (Outcome::Duplicate, report.duplicate),
+            (Outcome::DeadLettered, report.dead_lettered),
+        ] {
+            if n > 0 {
+                metrics::counter!("events_handled_total", "consumer_group" => self.inner.config.group.clone(),
+                    "topic" => topic.to_owned(), "outcome" => outcome.as_str())
+                .increment(n);
+            }
+        }
         if let Some(observer) = &self.inner.on_commit {
             observer(&report);
         }
+    }
+
+    fn count_retry(&self, items: &[Item]) {
+        self.inner.stats.retried.fetch_add(1, Ordering::Relaxed);
+        let topic = items.first().map_or("", |i| i.message().topic.as_str());
+        metrics::counter!("events_handled_total", "consumer_group" => self.inner.config.group.clone(),
+            "topic" => topic.to_owned(), "outcome" => "retried")
+        .increment(1);
     }
 
     fn log_outcomes(&self, items: &[Item], outcomes: &[Outcome], started: Instant) {
@@ -672,5 +701,75 @@ fn key_of(item: &Item) -> Option<&str> {
     match item {
         Item::Keyed(event) => Some(event.id.as_str()),
         Item::Unkeyed { .. } => None,
+    }
+}
+
+/// Aborts a background task when dropped, so it ends with the engine run that started it.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl<DB: Backend> Engine<DB> {
+    /// The consumer's background housekeeping: the marker gauges every `stats_interval` and, when a retention
+    /// is set, a pruning pass every `pruning.interval`. Failures are logged and tried again next time.
+    async fn housekeeping(self) {
+        let config = &self.inner.config;
+        let mut stats = tokio::time::interval(config.stats_interval);
+        let mut prune = tokio::time::interval(config.pruning.interval);
+        stats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        prune.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stats.tick() => self.publish_marker_gauges().await,
+                _ = prune.tick(), if config.pruning.retention.is_some() => self.prune_once().await,
+            }
+        }
+    }
+
+    async fn publish_marker_gauges(&self) {
+        let config = &self.inner.config;
+        match DB::stats(&self.inner.pool, &config.tables).await {
+            Ok(groups) => {
+                let mine = groups.into_iter().find(|g| g.consumer_group == config.group);
+                let (rows, oldest, dead) =
+                    mine.map_or((0, None, 0), |g| (g.markers, g.oldest_marker_age_seconds, g.dead_letters));
+                let group = config.group.clone();
+                metrics::gauge!("processed_events_row_count", "consumer_group" => group.clone()).set(rows as f64);
+                metrics::gauge!("processed_events_oldest_age_seconds", "consumer_group" => group.clone())
+                    .set(oldest.unwrap_or(0.0));
+                metrics::gauge!("dead_letters_stored", "consumer_group" => group).set(dead as f64);
+            }
+            Err(error) => tracing::warn!(%error, "reading marker statistics failed"),
+        }
+    }
+
+    async fn prune_once(&self) {
+        let config = &self.inner.config;
+        let Some(retention) = config.pruning.retention else { return };
+        let group = config.group.clone();
+        let report = crate::prune::prune(
+            &self.inner.pool,
+            &config.tables,
+            Some(&config.group),
+            retention,
+            &config.pruning,
+            |_| {},
+        )
+        .await;
+        match report {
+            Ok(report) => {
+                metrics::counter!("processed_events_pruned_total", "consumer_group" => group.clone())
+                    .increment(report.deleted);
+                metrics::gauge!("processed_events_prune_longest_statement_seconds", "consumer_group" => group)
+                    .set(report.longest_statement.as_secs_f64());
+                tracing::info!(consumer_group = %config.group, deleted = report.deleted, statements = report.statements,
+                    longest_ms = report.longest_statement.as_millis() as u64, "markers pruned");
+            }
+            Err(error) => tracing::warn!(%error, "pruning markers failed; trying again at the next interval"),
+        }
     }
 }

@@ -44,6 +44,7 @@
 //!   idempotency key comes from ([`KeyExtractor`]).
 //! * [`store`]: the database seam ([`Backend`]) with its PostgreSQL and SQLite modules and migrations.
 //! * [`source`]: the broker seam ([`Source`], [`Publisher`]) and its contract; [`log`]: the embedded log.
+//! * [`prune`]: bounded, lock-friendly pruning of markers.
 //! * [`dead_letter`]: listing and replaying dead letters. [`fault`]: crash injection for tests and the demo.
 //! * [`error`]: errors that say whether a retry can help.
 //! * `kafka` (feature `kafka`): the Kafka source, the producer helper and the retention guard.
@@ -60,10 +61,11 @@ pub mod kafka;
 pub mod key;
 pub mod log;
 pub mod message;
+pub mod prune;
 pub mod source;
 pub mod store;
 
-pub use config::Config;
+pub use config::{Config, Pruning};
 pub use engine::{Committed, Engine, Outcome, StatsSnapshot};
 pub use error::{Error, HandlerError, Retry};
 pub use handler::{BatchHandler, Handler};

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{Ledger, TestPool, config, ledger_total};
-use idem::kafka::{KafkaConfig, KafkaProducer, KafkaSource, RetentionPolicy, create_topic};
+use idem::kafka::{KafkaConfig, KafkaProducer, KafkaSource, create_topic};
 use idem::{Engine, Outcome};
 
 const WEEK_MS: i64 = 7 * 86_400_000;
@@ -22,8 +22,9 @@ fn unique(prefix: &str) -> String {
     format!("{prefix}-{}-{nanos}", std::process::id())
 }
 
-fn markers_for(days: u64) -> RetentionPolicy {
-    RetentionPolicy { marker_retention: Some(DAY * days as u32), ..RetentionPolicy::default() }
+/// The engine's configuration with markers kept `days` days, in a group of its own.
+fn markers_for(days: u64) -> idem::Config {
+    idem::Config { group: unique("g"), ..config(10) }.marker_retention(DAY * days as u32)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -32,30 +33,29 @@ async fn retention_guard_refuses_3_days_against_7_and_passes_8() {
     create_topic(&brokers(), &topic, 1, WEEK_MS).await.expect("create topic (is the broker up? scripts/kafka.sh up)");
     assert_eq!(idem::kafka::topic_retention_ms(&brokers(), &topic).await.unwrap(), Some(WEEK_MS));
 
-    let mut short = KafkaConfig::new(brokers(), unique("g"), &[&topic]);
-    short.retention = markers_for(3);
-    let err = KafkaSource::connect(&short).await.err().expect("3 days against 7 must be refused").to_string();
+    let kafka = KafkaConfig::new(brokers(), &[&topic]);
+    let err =
+        KafkaSource::connect(&kafka, &markers_for(3)).await.err().expect("3 days against 7 is refused").to_string();
     assert!(err.contains("3.0 days") && err.contains("7.0 days") && err.contains("Fix"), "{err}");
-
-    let mut long = KafkaConfig::new(brokers(), unique("g"), &[&topic]);
-    long.retention = markers_for(8);
-    let source = KafkaSource::connect(&long).await.expect("8 days against 7 passes");
+    let source = KafkaSource::connect(&kafka, &markers_for(8)).await.expect("8 days against 7 passes");
     drop(source);
+    let unpruned = idem::Config { group: unique("g"), ..config(10) };
+    drop(KafkaSource::connect(&kafka, &unpruned).await.expect("markers never pruned pass"));
 
     let infinite = unique("forever");
     create_topic(&brokers(), &infinite, 1, -1).await.unwrap();
-    let mut pruned = KafkaConfig::new(brokers(), unique("g"), &[&infinite]);
-    pruned.retention = markers_for(30);
-    let err = KafkaSource::connect(&pruned).await.err().expect("pruned markers against -1").to_string();
+    let mut pruned = KafkaConfig::new(brokers(), &[&infinite]);
+    let err =
+        KafkaSource::connect(&pruned, &markers_for(30)).await.err().expect("pruned markers against -1").to_string();
     assert!(err.contains("retention.ms=-1"), "{err}");
-    pruned.retention.accept_infinite_topic_retention = true;
-    drop(KafkaSource::connect(&pruned).await.expect("explicit override"));
+    pruned.accept_infinite_topic_retention = true;
+    drop(KafkaSource::connect(&pruned, &markers_for(30)).await.expect("explicit override"));
 }
 
 #[tokio::test]
 async fn auto_commit_is_refused_at_start_up() {
-    let config = KafkaConfig::new(brokers(), "g", &["t"]).set("enable.auto.commit", "true");
-    let err = KafkaSource::connect(&config).await.err().expect("refused").to_string();
+    let kafka = KafkaConfig::new(brokers(), &["t"]).set("enable.auto.commit", "true");
+    let err = KafkaSource::connect(&kafka, &config(10)).await.err().expect("refused").to_string();
     assert!(err.contains("enable.auto.commit=true"), "{err}");
 }
 
@@ -76,14 +76,15 @@ async fn committed_offsets_survive_a_restart_and_the_rest_is_redelivered() {
         expected += n;
     }
     let consume = |stop_at_end: bool| {
-        let mut kafka = KafkaConfig::new(brokers(), group.clone(), &[&topic]).set("session.timeout.ms", "6000");
+        let mut kafka = KafkaConfig::new(brokers(), &[&topic]).set("session.timeout.ms", "6000");
         kafka.stop_at_end = stop_at_end;
         kafka
     };
 
     // First consumer: all 200, acknowledged and committed, then it leaves the group.
-    let source = KafkaSource::connect(&consume(true)).await.unwrap();
-    let engine = Engine::new(db.pool.clone(), idem::Config { group: group.clone(), ..config(20) }).unwrap();
+    let engine_config = idem::Config { group: group.clone(), ..config(20) };
+    let source = KafkaSource::connect(&consume(true), &engine_config).await.unwrap();
+    let engine = Engine::new(db.pool.clone(), engine_config.clone()).unwrap();
     let stats = engine.run(source, Ledger::default(), std::future::pending::<()>()).await.unwrap();
     assert_eq!(stats.processed, 200);
     assert_eq!(ledger_total(&db.pool).await, expected);
@@ -96,7 +97,7 @@ async fn committed_offsets_survive_a_restart_and_the_rest_is_redelivered() {
     }
     {
         use idem::{Received, Source};
-        let source = KafkaSource::connect(&consume(false)).await.unwrap();
+        let source = KafkaSource::connect(&consume(false), &engine_config).await.unwrap();
         let mut taken = Vec::new();
         while taken.len() < 60 {
             match tokio::time::timeout(Duration::from_secs(30), source.recv()).await.expect("messages arrive") {
@@ -112,8 +113,8 @@ async fn committed_offsets_survive_a_restart_and_the_rest_is_redelivered() {
     }
 
     // A restarted consumer resumes at the committed offsets: the 60 come again (duplicates), the rest is new.
-    let source = KafkaSource::connect(&consume(true)).await.unwrap();
-    let engine = Engine::new(db.pool.clone(), idem::Config { group: group.clone(), ..config(20) }).unwrap();
+    let source = KafkaSource::connect(&consume(true), &engine_config).await.unwrap();
+    let engine = Engine::new(db.pool.clone(), engine_config).unwrap();
     let stats = engine.run(source, Ledger::default(), std::future::pending::<()>()).await.unwrap();
     assert_eq!((stats.processed, stats.duplicate), (40, 60));
     assert_eq!(ledger_total(&db.pool).await, expected);

@@ -136,14 +136,20 @@ pub struct KafkaSource {
 }
 
 impl KafkaSource {
-    /// Validates `config`, runs the retention guard against every topic, subscribes and starts polling.
-    pub async fn connect(config: &KafkaConfig) -> Result<Self, Error> {
-        Self::connect_observed(config, None).await
+    /// Validates `config`, runs the retention guard against every topic with `engine`'s marker retention,
+    /// joins `engine.group`, subscribes and starts polling.
+    pub async fn connect(config: &KafkaConfig, engine: &crate::Config) -> Result<Self, Error> {
+        Self::connect_observed(config, engine, None).await
     }
 
     /// Like [`KafkaSource::connect`], calling `observer` with the whole assignment after every rebalance.
-    pub async fn connect_observed(config: &KafkaConfig, observer: Option<AssignmentObserver>) -> Result<Self, Error> {
+    pub async fn connect_observed(
+        config: &KafkaConfig,
+        engine: &crate::Config,
+        observer: Option<AssignmentObserver>,
+    ) -> Result<Self, Error> {
         config.validate()?;
+        engine.validate()?;
         let mut retentions = Vec::with_capacity(config.topics.len());
         for topic in &config.topics {
             let retention = match topic_retention_ms(&config.brokers, topic).await {
@@ -155,7 +161,11 @@ impl KafkaSource {
             };
             retentions.push((topic.clone(), retention));
         }
-        config.retention.check(&retentions)?;
+        let policy = super::RetentionPolicy {
+            marker_retention: engine.pruning.retention,
+            accept_infinite_topic_retention: config.accept_infinite_topic_retention,
+        };
+        policy.check(&retentions)?;
 
         let (tx, rx) = mpsc::channel(1024);
         let shared = Arc::new(Shared {
@@ -172,7 +182,7 @@ impl KafkaSource {
         let mut client = ClientConfig::new();
         client
             .set("bootstrap.servers", &config.brokers)
-            .set("group.id", &config.group)
+            .set("group.id", &engine.group)
             .set("auto.offset.reset", "earliest")
             .set("enable.partition.eof", if config.stop_at_end { "true" } else { "false" });
         for (key, value) in &config.settings {

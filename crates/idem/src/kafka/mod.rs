@@ -27,8 +27,6 @@ use crate::error::Error;
 pub struct KafkaConfig {
     /// `bootstrap.servers`, e.g. `127.0.0.1:9092`.
     pub brokers: String,
-    /// The consumer group (`group.id`); use the same name as the engine's [`crate::Config::group`].
-    pub group: String,
     /// Topics to subscribe to.
     pub topics: Vec<String>,
     /// Further librdkafka settings (`session.timeout.ms`, `partition.assignment.strategy`, security…).
@@ -40,21 +38,22 @@ pub struct KafkaConfig {
     /// How long a revocation waits for in-flight batches before letting the partitions go anyway (their work is
     /// then redelivered to the new owner and absorbed by the markers). Default 30 s.
     pub drain_timeout: Duration,
-    /// The retention guard's inputs.
-    pub retention: RetentionPolicy,
+    /// Accept pruned markers against a topic that keeps messages forever (`retention.ms=-1`); logged at WARN.
+    pub accept_infinite_topic_retention: bool,
 }
 
 impl KafkaConfig {
-    /// A configuration with defaults: new groups start at the earliest offset, markers never pruned.
-    pub fn new(brokers: impl Into<String>, group: impl Into<String>, topics: &[&str]) -> Self {
+    /// A configuration with defaults: a new group starts at the earliest offset. The consumer group
+    /// (`group.id`) and the marker retention come from the engine's [`crate::Config`], given to
+    /// [`KafkaSource::connect`], so markers and offsets are always kept under the same group.
+    pub fn new(brokers: impl Into<String>, topics: &[&str]) -> Self {
         KafkaConfig {
             brokers: brokers.into(),
-            group: group.into(),
             topics: topics.iter().map(|t| (*t).to_owned()).collect(),
             settings: BTreeMap::new(),
             stop_at_end: false,
             drain_timeout: Duration::from_secs(30),
-            retention: RetentionPolicy::default(),
+            accept_infinite_topic_retention: false,
         }
     }
 
@@ -68,9 +67,6 @@ impl KafkaConfig {
     pub fn validate(&self) -> Result<(), Error> {
         if self.brokers.trim().is_empty() {
             return Err(Error::Config("kafka brokers is empty: give host:port[,host:port…]".into()));
-        }
-        if self.group.trim().is_empty() {
-            return Err(Error::Config("kafka group is empty: give the consumer group (group.id)".into()));
         }
         if self.topics.is_empty() {
             return Err(Error::Config("kafka topics is empty: subscribe to at least one topic".into()));
@@ -92,7 +88,7 @@ impl KafkaConfig {
         for key in ["group.id", "bootstrap.servers"] {
             if self.settings.contains_key(key) {
                 return Err(Error::Config(format!(
-                    "kafka setting {key} belongs in the configuration's own field (group / brokers), not in settings"
+                    "kafka setting {key} is set by idem: the group is the engine's Config::group, the brokers KafkaConfig::brokers"
                 )));
             }
         }
@@ -128,7 +124,7 @@ mod tests {
 
     #[test]
     fn auto_commit_is_refused_by_name() {
-        let base = KafkaConfig::new("127.0.0.1:9092", "g", &["t"]);
+        let base = KafkaConfig::new("127.0.0.1:9092", &["t"]);
         base.validate().unwrap();
         let err = base.clone().set("enable.auto.commit", "true").validate().unwrap_err().to_string();
         assert!(err.contains("enable.auto.commit=true"), "{err}");
@@ -136,7 +132,7 @@ mod tests {
         assert!(err.contains("enable.auto.offset.store"), "{err}");
         base.clone().set("enable.auto.commit", "false").validate().unwrap();
         assert!(base.clone().set("group.id", "x").validate().is_err());
-        let mut two = KafkaConfig::new("b", "g", &["a", "b"]);
+        let mut two = KafkaConfig::new("b", &["a", "b"]);
         two.stop_at_end = true;
         assert!(two.validate().is_err());
     }

@@ -8,7 +8,8 @@ use crate::error::Error;
 /// The margin markers must keep over the broker's retention.
 pub const MARGIN: f64 = 1.1;
 
-/// What the guard compares against the broker.
+/// What the guard compares against the broker: the engine's marker retention
+/// ([`crate::config::Pruning::retention`]) and an explicit override for topics that keep messages forever.
 #[derive(Debug, Clone, Default)]
 pub struct RetentionPolicy {
     /// How long markers are kept before pruning; `None` means they are never pruned.

@@ -68,6 +68,24 @@ pub trait Backend: sqlx::Database + Sized {
         id: i64,
     ) -> impl Future<Output = Result<bool, Error>> + Send;
 
+    /// Deletes at most `limit` markers older than `older_than` (of `group`, or of every group) in one statement
+    /// (PostgreSQL: by `ctid`; SQLite: by `rowid`) and returns how many went.
+    fn prune_batch(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        group: Option<&str>,
+        older_than: std::time::Duration,
+        limit: u32,
+    ) -> impl Future<Output = Result<u64, Error>> + Send;
+
+    /// Counts the markers older than `older_than` (of `group`, or of every group): what a prune would delete.
+    fn count_expired(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        group: Option<&str>,
+        older_than: std::time::Duration,
+    ) -> impl Future<Output = Result<i64, Error>> + Send;
+
     /// Last step of a replay: deletes the row if it is still `replaying` (a new failure would have set it back
     /// to `dead`, and then the row stays).
     fn finish_replay(

@@ -182,6 +182,38 @@ impl Backend for Postgres {
         Ok(true)
     }
 
+    async fn prune_batch(
+        pool: &sqlx::PgPool,
+        tables: &Tables,
+        group: Option<&str>,
+        older_than: std::time::Duration,
+        limit: u32,
+    ) -> Result<u64, Error> {
+        let sql = tables.render(
+            r#"DELETE FROM {t}processed_events WHERE ctid IN (
+                 SELECT ctid FROM {t}processed_events
+                  WHERE processed_at < now() - make_interval(secs => $1)
+                    AND ($2::text IS NULL OR consumer_group = $2)
+                  LIMIT $3)"#,
+        );
+        let done =
+            sqlx::query(&sql).bind(older_than.as_secs_f64()).bind(group).bind(i64::from(limit)).execute(pool).await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn count_expired(
+        pool: &sqlx::PgPool,
+        tables: &Tables,
+        group: Option<&str>,
+        older_than: std::time::Duration,
+    ) -> Result<i64, Error> {
+        let sql = tables.render(
+            "SELECT COUNT(*) FROM {t}processed_events WHERE processed_at < now() - make_interval(secs => $1) \
+             AND ($2::text IS NULL OR consumer_group = $2)",
+        );
+        Ok(sqlx::query_scalar(&sql).bind(older_than.as_secs_f64()).bind(group).fetch_one(pool).await?)
+    }
+
     async fn finish_replay(pool: &sqlx::PgPool, tables: &Tables, id: i64) -> Result<(), Error> {
         sqlx::query(&tables.render("DELETE FROM {t}dead_letters WHERE id = $1 AND status = 'replaying'"))
             .bind(id)

@@ -180,6 +180,39 @@ impl Backend for Sqlite {
         Ok(true)
     }
 
+    async fn prune_batch(
+        pool: &sqlx::SqlitePool,
+        tables: &Tables,
+        group: Option<&str>,
+        older_than: std::time::Duration,
+        limit: u32,
+    ) -> Result<u64, Error> {
+        let sql = tables.render(
+            r#"DELETE FROM {t}processed_events WHERE rowid IN (
+                 SELECT rowid FROM {t}processed_events
+                  WHERE processed_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - $1
+                    AND ($2 IS NULL OR consumer_group = $2)
+                  LIMIT $3)"#,
+        );
+        let millis = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+        let done = sqlx::query(&sql).bind(millis).bind(group).bind(i64::from(limit)).execute(pool).await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn count_expired(
+        pool: &sqlx::SqlitePool,
+        tables: &Tables,
+        group: Option<&str>,
+        older_than: std::time::Duration,
+    ) -> Result<i64, Error> {
+        let sql = tables.render(
+            "SELECT COUNT(*) FROM {t}processed_events WHERE processed_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - $1 \
+             AND ($2 IS NULL OR consumer_group = $2)",
+        );
+        let millis = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+        Ok(sqlx::query_scalar(&sql).bind(millis).bind(group).fetch_one(pool).await?)
+    }
+
     async fn finish_replay(pool: &sqlx::SqlitePool, tables: &Tables, id: i64) -> Result<(), Error> {
         sqlx::query(&tables.render("DELETE FROM {t}dead_letters WHERE id = $1 AND status = 'replaying'"))
             .bind(id)

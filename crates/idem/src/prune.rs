@@ -1,0 +1,96 @@
+//! Pruning markers without locks (document 000, step 4): bounded `DELETE`s of at most `batch_size` rows,
+//! a pause between them, until a statement deletes nothing. Never an unbounded `DELETE`.
+//!
+//! The consumer runs it in the background whenever [`Pruning::retention`] is set; `idem prune` runs one pass.
+
+use std::time::{Duration, Instant};
+
+use crate::config::Pruning;
+use crate::error::Error;
+use crate::store::{Backend, Tables};
+
+/// What one pruning pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PruneReport {
+    /// Markers deleted.
+    pub deleted: u64,
+    /// `DELETE` statements run (the last one deleted nothing).
+    pub statements: u32,
+    /// The longest single statement.
+    pub longest_statement: Duration,
+    /// Wall time of the pass, pauses included.
+    pub elapsed: Duration,
+}
+
+/// Deletes the markers older than `retention` (of `group`, or of every group when `None`), in statements of at
+/// most `pruning.batch_size` rows with `pruning.pause` between them, until a statement deletes nothing.
+/// `progress` is called after every statement with the total deleted so far.
+pub async fn prune<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    group: Option<&str>,
+    retention: Duration,
+    pruning: &Pruning,
+    mut progress: impl FnMut(u64),
+) -> Result<PruneReport, Error> {
+    let started = Instant::now();
+    let mut report = PruneReport::default();
+    loop {
+        let statement = Instant::now();
+        let deleted = DB::prune_batch(pool, tables, group, retention, pruning.batch_size).await?;
+        report.longest_statement = report.longest_statement.max(statement.elapsed());
+        report.statements += 1;
+        report.deleted += deleted;
+        progress(report.deleted);
+        if deleted == 0 {
+            break;
+        }
+        tokio::time::sleep(pruning.pause).await;
+    }
+    report.elapsed = started.elapsed();
+    Ok(report)
+}
+
+/// How many markers a prune with `retention` would delete (`idem prune --dry-run`).
+pub async fn count_expired<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    group: Option<&str>,
+    retention: Duration,
+) -> Result<i64, Error> {
+    DB::count_expired(pool, tables, group, retention).await
+}
+
+/// Parses a retention such as `8d`, `36h`, `90m` or `600s`.
+pub fn parse_duration(text: &str) -> Result<Duration, Error> {
+    let text = text.trim();
+    let bad = || Error::Config(format!("`{text}` is not a duration: use a number with d, h, m or s, e.g. 8d"));
+    let split = text.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number.parse().map_err(|_| bad())?;
+    let seconds = match unit {
+        "d" => number.checked_mul(86_400),
+        "h" => number.checked_mul(3_600),
+        "m" => number.checked_mul(60),
+        "s" => Some(number),
+        _ => None,
+    }
+    .ok_or_else(bad)?;
+    Ok(Duration::from_secs(seconds))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("8d").unwrap(), Duration::from_secs(8 * 86_400));
+        assert_eq!(parse_duration("36h").unwrap(), Duration::from_secs(36 * 3_600));
+        assert_eq!(parse_duration("90m").unwrap(), Duration::from_secs(5_400));
+        assert_eq!(parse_duration("600s").unwrap(), Duration::from_secs(600));
+        for bad in ["8", "d", "8w", "-1d", ""] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
+}
