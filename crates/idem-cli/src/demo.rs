@@ -89,6 +89,9 @@ pub struct WorkerArgs {
     /// Keep consuming at the end of the log instead of exiting (until SIGINT or SIGTERM).
     #[arg(long)]
     follow: bool,
+    /// Serve /metrics, /healthz and /readyz on this address (e.g. 127.0.0.1:9464).
+    #[arg(long)]
+    metrics_addr: Option<std::net::SocketAddr>,
     /// The database.
     #[arg(long)]
     database_url: String,
@@ -560,13 +563,13 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
             kafka.stop_at_end = !args.follow;
             let observer: idem::kafka::consumer::AssignmentObserver = std::sync::Arc::new(report_assignment);
             let source = idem::kafka::KafkaSource::connect_observed(&kafka, &config, Some(observer)).await?;
-            with_pool!(db, pool => consume_with(pool, source, config, Credit).await?);
+            with_pool!(db, pool => consume_with(pool, source, config, Credit, args.metrics_addr).await?);
         }
         (None, Some(dir)) => {
             let log = EmbeddedLog::open(dir)?;
             let options = ConsumerOptions { stop_at_end: !args.follow, ..ConsumerOptions::default() };
             let source = log.consumer(&args.group, &[args.topic.as_str()], options)?;
-            with_pool!(db, pool => consume_with(pool, source, config, Credit).await?);
+            with_pool!(db, pool => consume_with(pool, source, config, Credit, args.metrics_addr).await?);
         }
         (None, None) => bail!("give --log-dir or --kafka"),
     }
@@ -581,11 +584,8 @@ pub async fn prepare_only(database_url: &str) -> anyhow::Result<ExitCode> {
 }
 
 fn report_assignment(partitions: &[idem::source::Partition]) {
-    use std::io::Write;
     let numbers: Vec<i32> = partitions.iter().map(|p| p.partition).collect();
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{}", serde_json::json!({ "assigned": numbers }));
-    let _ = out.flush();
+    report_line(serde_json::json!({ "assigned": numbers }));
 }
 
 async fn consume_with<DB: Backend, S: idem::Source, H: Handler<DB>>(
@@ -593,10 +593,23 @@ async fn consume_with<DB: Backend, S: idem::Source, H: Handler<DB>>(
     source: S,
     config: Config,
     handler: H,
+    metrics_addr: Option<std::net::SocketAddr>,
 ) -> anyhow::Result<()> {
     let engine = Engine::new(pool, config)?.on_commit(report_commit);
+    if let Some(addr) = metrics_addr {
+        let recorder = crate::http::install_recorder()?;
+        let bound = crate::http::serve(addr, recorder, engine.clone()).await?;
+        report_line(serde_json::json!({ "metrics_addr": bound.to_string() }));
+    }
     engine.run(source, handler, shutdown_signal()).await?;
     Ok(())
+}
+
+fn report_line(value: serde_json::Value) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{value}");
+    let _ = out.flush();
 }
 
 /// Writes the commit to stdout before the acknowledgement (and before the after-commit fault point), so the

@@ -4,6 +4,7 @@
 mod commands;
 mod db;
 mod demo;
+mod http;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

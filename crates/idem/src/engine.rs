@@ -96,6 +96,24 @@ impl Stats {
     }
 }
 
+/// The engine's state for health checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Health {
+    /// [`Engine::run`] is consuming.
+    pub running: bool,
+    /// A shutdown or the end of the source is draining the in-flight batches.
+    pub draining: bool,
+    /// Partitions with a worker (partitions that delivered messages and were not revoked).
+    pub partitions: u64,
+}
+
+impl Health {
+    /// Ready to take work: running, not draining. (Partitions appear with the first message.)
+    pub fn ready(&self) -> bool {
+        self.running && !self.draining
+    }
+}
+
 /// What one committed transaction did; given to the commit observer after `COMMIT`, before acknowledgement.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Committed {
@@ -124,6 +142,9 @@ struct Inner<DB: Backend> {
     pool: Pool<DB>,
     config: Config,
     stats: Stats,
+    running: AtomicBool,
+    draining: AtomicBool,
+    partitions: AtomicU64,
     faults: Faults,
     on_commit: Option<CommitObserver>,
 }
@@ -225,7 +246,18 @@ impl<DB: Backend> Engine<DB> {
     pub fn new(pool: Pool<DB>, config: Config) -> Result<Self, Error> {
         config.validate()?;
         let faults = Faults::from_env()?;
-        Ok(Engine { inner: Arc::new(Inner { pool, config, stats: Stats::default(), faults, on_commit: None }) })
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                pool,
+                config,
+                stats: Stats::default(),
+                running: AtomicBool::new(false),
+                draining: AtomicBool::new(false),
+                partitions: AtomicU64::new(0),
+                faults,
+                on_commit: None,
+            }),
+        })
     }
 
     /// Calls `observer` after every `COMMIT`, before the acknowledgement (progress reporting, tests).
@@ -245,6 +277,23 @@ impl<DB: Backend> Engine<DB> {
     /// The configuration.
     pub fn config(&self) -> &Config {
         &self.inner.config
+    }
+
+    /// What a readiness probe needs: whether [`Engine::run`] is consuming, draining, and on how many partitions.
+    pub fn health(&self) -> Health {
+        Health {
+            running: self.inner.running.load(Ordering::SeqCst),
+            draining: self.inner.draining.load(Ordering::SeqCst),
+            partitions: self.inner.partitions.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Checks that the database answers (`SELECT 1` on a pooled connection).
+    pub async fn database_reachable(&self) -> bool {
+        match self.inner.pool.acquire().await {
+            Ok(mut conn) => sqlx::Connection::ping(&mut *conn).await.is_ok(),
+            Err(_) => false,
+        }
     }
 
     /// Consumes `source` with a per-message handler until the source ends, `shutdown` completes, or a
@@ -294,6 +343,8 @@ impl<DB: Backend> Engine<DB> {
     ) -> Result<StatsSnapshot, Error> {
         let source = Arc::new(source);
         let _housekeeping = AbortOnDrop(tokio::spawn(self.clone().housekeeping()));
+        self.inner.draining.store(false, Ordering::SeqCst);
+        self.inner.running.store(true, Ordering::SeqCst);
         let (fatal_tx, mut fatal_rx) = mpsc::unbounded_channel::<Error>();
         let mut workers: HashMap<Partition, Worker> = HashMap::new();
         let mut shutdown = std::pin::pin!(shutdown);
@@ -313,9 +364,12 @@ impl<DB: Backend> Engine<DB> {
                     Ok(Some(Received::Message(message))) => {
                         source_failures = 0;
                         let key = Partition { topic: message.topic.clone(), partition: message.partition };
-                        let worker = workers.entry(key).or_insert_with_key(|key| {
-                            self.spawn_worker(key.clone(), Arc::clone(&source), Arc::clone(&apply), fatal_tx.clone())
-                        });
+                        if !workers.contains_key(&key) {
+                            let worker = self.spawn_worker(key.clone(), Arc::clone(&source), Arc::clone(&apply), fatal_tx.clone());
+                            workers.insert(key.clone(), worker);
+                            self.inner.partitions.store(workers.len() as u64, Ordering::SeqCst);
+                        }
+                        let Some(worker) = workers.get(&key) else { continue };
                         if worker.queue.send(message).await.is_err() {
                             // The worker stopped on a fatal error, which is waiting in fatal_rx.
                             continue;
@@ -330,6 +384,7 @@ impl<DB: Backend> Engine<DB> {
                                 }
                             }
                         }
+                        self.inner.partitions.store(workers.len() as u64, Ordering::SeqCst);
                         tracing::info!(?partitions, "revoked partitions drained");
                         drained.done();
                     }
@@ -344,6 +399,7 @@ impl<DB: Backend> Engine<DB> {
                 },
             }
         };
+        self.inner.draining.store(true, Ordering::SeqCst);
         let mut first_error = stop_reason.err();
         for (_, worker) in workers.drain() {
             if let Err(error) = worker.finish().await {
@@ -353,6 +409,8 @@ impl<DB: Backend> Engine<DB> {
         while let Ok(error) = fatal_rx.try_recv() {
             first_error.get_or_insert(error);
         }
+        self.inner.partitions.store(0, Ordering::SeqCst);
+        self.inner.running.store(false, Ordering::SeqCst);
         match first_error {
             Some(error) => Err(error),
             None => Ok(self.stats()),

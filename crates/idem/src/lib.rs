@@ -66,7 +66,7 @@ pub mod source;
 pub mod store;
 
 pub use config::{Config, Pruning};
-pub use engine::{Committed, Engine, Outcome, StatsSnapshot};
+pub use engine::{Committed, Engine, Health, Outcome, StatsSnapshot};
 pub use error::{Error, HandlerError, Retry};
 pub use handler::{BatchHandler, Handler};
 pub use key::{KeyExtractor, MissingKey};

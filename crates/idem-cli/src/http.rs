@@ -1,0 +1,70 @@
+//! The operations endpoint of a consumer process: `/metrics` (Prometheus text), `/healthz` (the process is
+//! alive) and `/readyz` (the database answers, the engine is consuming and not draining). A deliberately small
+//! HTTP/1.1 responder: one request per connection, GET only.
+
+use std::net::SocketAddr;
+
+use idem::{Backend, Engine};
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// Installs the Prometheus recorder for the `metrics` facade the library writes to.
+pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Full("event_handle_duration_seconds".into()),
+            &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0],
+        )?
+        .install_recorder()?;
+    Ok(handle)
+}
+
+/// Binds `addr` and serves the endpoints in the background for as long as the process runs.
+pub async fn serve<DB: Backend>(
+    addr: SocketAddr,
+    metrics: PrometheusHandle,
+    engine: Engine<DB>,
+) -> anyhow::Result<SocketAddr> {
+    let listener = TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("--metrics-addr {addr}: {e}"))?;
+    let bound = listener.local_addr()?;
+    tracing::info!(%bound, "serving /metrics, /healthz and /readyz");
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else { continue };
+            let (metrics, engine) = (metrics.clone(), engine.clone());
+            tokio::spawn(async move {
+                let mut request = [0u8; 1024];
+                let n = stream.read(&mut request).await.unwrap_or(0);
+                let line = String::from_utf8_lossy(&request[..n]);
+                let path = line.split_whitespace().nth(1).unwrap_or("/");
+                let (status, body) = match path {
+                    "/metrics" => ("200 OK", metrics.render()),
+                    "/healthz" => ("200 OK", "ok\n".to_owned()),
+                    "/readyz" => readiness(&engine).await,
+                    _ => ("404 Not Found", "try /metrics, /healthz or /readyz\n".to_owned()),
+                };
+                let response = format!(
+                    "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = stream.write_all(response.as_bytes()).await;
+            });
+        }
+    });
+    Ok(bound)
+}
+
+async fn readiness<DB: Backend>(engine: &Engine<DB>) -> (&'static str, String) {
+    let health = engine.health();
+    if !engine.database_reachable().await {
+        return ("503 Service Unavailable", "database unreachable\n".into());
+    }
+    if !health.running {
+        return ("503 Service Unavailable", "not consuming\n".into());
+    }
+    if health.draining {
+        return ("503 Service Unavailable", "draining\n".into());
+    }
+    ("200 OK", format!("ready: {} partition(s) active\n", health.partitions))
+}
