@@ -159,6 +159,9 @@ impl KafkaSource {
                     None
                 }
             };
+            if let Some(ms) = retention.filter(|ms| *ms >= 0) {
+                metrics::gauge!("kafka_topic_retention_seconds", "topic" => topic.clone()).set(ms as f64 / 1000.0);
+            }
             retentions.push((topic.clone(), retention));
         }
         let policy = super::RetentionPolicy {
