@@ -27,9 +27,22 @@ pub struct Config {
     pub tables: Tables,
     /// How markers are pruned.
     pub pruning: Pruning,
+    /// What to do with an event whose id was already used by a different payload. Default: skip it.
+    pub id_reuse: IdReusePolicy,
     /// How often the consumer refreshes the marker gauges (`processed_events_row_count`,
     /// `processed_events_oldest_age_seconds`, `dead_letters_stored`) with a count. Default 60 s.
     pub stats_interval: Duration,
+}
+
+/// The handling of a producer's reused event id (document 000, failure row 5): the marker keeps a digest of the
+/// payload, and a "duplicate" whose payload differs is a different event under the same id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IdReusePolicy {
+    /// Do not apply it; count it (`id_reused`) and log it at WARN with both positions.
+    #[default]
+    Skip,
+    /// Also store it in the dead-letter table, where an operator can replay it to apply it.
+    DeadLetter,
 }
 
 /// How markers are pruned: in bounded batches, never in one unbounded `DELETE`.
@@ -71,6 +84,7 @@ impl Config {
             tables: Tables::default(),
             pruning: Pruning::default(),
             stats_interval: Duration::from_secs(60),
+            id_reuse: IdReusePolicy::Skip,
         }
     }
 
@@ -96,6 +110,12 @@ impl Config {
     pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
         self.backoff_initial = initial;
         self.backoff_max = max;
+        self
+    }
+
+    /// Sets [`Config::id_reuse`].
+    pub fn id_reuse(mut self, policy: IdReusePolicy) -> Self {
+        self.id_reuse = policy;
         self
     }
 

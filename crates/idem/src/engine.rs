@@ -10,7 +10,7 @@
 //! [`Engine::run`] consumes a [`Source`]: one task polls it and hands each partition's messages, in order, to a
 //! worker of that partition; workers of different partitions run in parallel, each on its own connection.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::ops::Range;
 use std::sync::Arc;
@@ -22,13 +22,14 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::config::Config;
+use crate::config::IdReusePolicy;
 use crate::error::{Error, HandlerError, Retry, classify};
 use crate::fault::{FaultPoint, Faults};
 use crate::handler::{BatchHandler, Handler};
 use crate::key::MissingKey;
 use crate::message::{Event, Message};
 use crate::source::{Partition, Received, Source};
-use crate::store::{Backend, NewDeadLetter};
+use crate::store::{Backend, Claim, NewDeadLetter};
 
 /// What became of one message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -39,6 +40,9 @@ pub enum Outcome {
     Duplicate,
     /// Failed permanently (or ran out of retries): stored in the dead-letter table with its marker.
     DeadLettered,
+    /// The id was already used by an event with a different payload: the producer reused it. Not applied;
+    /// logged at WARN with both positions, and dead-lettered too under [`IdReusePolicy::DeadLetter`].
+    IdReused,
 }
 
 impl Outcome {
@@ -48,6 +52,7 @@ impl Outcome {
             Outcome::Processed => "processed",
             Outcome::Duplicate => "duplicate",
             Outcome::DeadLettered => "dead_lettered",
+            Outcome::IdReused => "id_reused",
         }
     }
 }
@@ -60,6 +65,7 @@ pub struct Stats {
     duplicate: AtomicU64,
     retried: AtomicU64,
     dead_lettered: AtomicU64,
+    id_reused: AtomicU64,
 }
 
 /// A copy of [`Stats`] at one moment.
@@ -73,6 +79,8 @@ pub struct StatsSnapshot {
     pub retried: u64,
     /// Messages dead-lettered.
     pub dead_lettered: u64,
+    /// Events whose id had been used by another payload.
+    pub id_reused: u64,
 }
 
 impl Stats {
@@ -83,6 +91,7 @@ impl Stats {
             duplicate: self.duplicate.load(Ordering::Relaxed),
             retried: self.retried.load(Ordering::Relaxed),
             dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
+            id_reused: self.id_reused.load(Ordering::Relaxed),
         }
     }
 
@@ -91,6 +100,7 @@ impl Stats {
             Outcome::Processed => &self.processed,
             Outcome::Duplicate => &self.duplicate,
             Outcome::DeadLettered => &self.dead_lettered,
+            Outcome::IdReused => &self.id_reused,
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -123,6 +133,8 @@ pub struct Committed {
     pub duplicate: u64,
     /// Messages dead-lettered.
     pub dead_lettered: u64,
+    /// Events whose id had been used by another payload.
+    pub id_reused: u64,
 }
 
 type CommitObserver = Arc<dyn Fn(&Committed) + Send + Sync>;
@@ -590,13 +602,21 @@ impl<DB: Backend> Engine<DB> {
         let mut tx = conn.begin().await.map_err(Failure::Database)?;
 
         // 1. The markers, first statement of the transaction. An id seen twice in one batch is claimed once.
-        let mut seen = HashSet::with_capacity(items.len());
+        let mut first_of: HashMap<&str, &Event> = HashMap::with_capacity(items.len());
         let mut claimed: Vec<(usize, &Event)> = Vec::with_capacity(items.len());
+        let mut reused_in_batch: Vec<(usize, &Event, String)> = Vec::new();
         for (index, item) in items.iter().enumerate() {
-            if let Item::Keyed(event) = item
-                && seen.insert(event.id.as_str())
-            {
-                claimed.push((index, event));
+            let Item::Keyed(event) = item else { continue };
+            match first_of.get(event.id.as_str()) {
+                None => {
+                    first_of.insert(event.id.as_str(), event);
+                    claimed.push((index, event));
+                }
+                Some(first) if first.message.payload != event.message.payload => {
+                    let m = &first.message;
+                    reused_in_batch.push((index, event, format!("{}/{}/{}", m.topic, m.partition, m.offset)));
+                }
+                Some(_) => {}
             }
         }
         let mut outcomes = vec![Outcome::Duplicate; items.len()];
@@ -604,14 +624,26 @@ impl<DB: Backend> Engine<DB> {
         let mut fresh_at: Vec<usize> = Vec::with_capacity(claimed.len());
         if !claimed.is_empty() {
             let events: Vec<&Event> = claimed.iter().map(|(_, e)| *e).collect();
-            let is_new = DB::claim(&mut tx, &config.tables, &config.group, &events).await.map_err(Failure::Database)?;
-            for ((index, event), new) in claimed.iter().zip(is_new) {
-                if new {
-                    outcomes[*index] = Outcome::Processed;
-                    fresh.push(event);
-                    fresh_at.push(*index);
+            let claims = DB::claim(&mut tx, &config.tables, &config.group, &events).await.map_err(Failure::Database)?;
+            for ((index, event), claim) in claimed.iter().zip(claims) {
+                match claim {
+                    Claim::New => {
+                        outcomes[*index] = Outcome::Processed;
+                        fresh.push(event);
+                        fresh_at.push(*index);
+                    }
+                    Claim::Duplicate => {}
+                    Claim::Reused { first } => {
+                        outcomes[*index] = Outcome::IdReused;
+                        self.id_reused(&mut tx, event, &first).await.map_err(Failure::Database)?;
+                    }
                 }
             }
+        }
+
+        for (index, event, first) in reused_in_batch {
+            outcomes[index] = Outcome::IdReused;
+            self.id_reused(&mut tx, event, &first).await.map_err(Failure::Database)?;
         }
 
         // 2. Messages without a key cannot be deduplicated or handled: dead letters, in this transaction.
@@ -648,6 +680,24 @@ impl<DB: Backend> Engine<DB> {
         Ok(outcomes)
     }
 
+    /// A reused id: logged with both positions, and dead-lettered in this transaction when the policy says so.
+    async fn id_reused(&self, tx: &mut DB::Connection, event: &Event, first: &str) -> Result<(), sqlx::Error> {
+        let config = &self.inner.config;
+        let m = &event.message;
+        tracing::warn!(event_id = %event.id, consumer_group = %config.group, topic = %m.topic, partition = m.partition,
+            offset = m.offset, first_seen_at = first, outcome = Outcome::IdReused.as_str(),
+            "event id reused for a different payload; not applied");
+        if config.id_reuse == IdReusePolicy::DeadLetter {
+            let reason = format!(
+                "event id {} was reused for a different payload (first seen at {first}); replay it to apply it anyway",
+                event.id
+            );
+            let letter = NewDeadLetter { event_id: Some(&event.id), message: m, error: &reason, attempts: 1 };
+            DB::dead_letter(tx, &config.tables, &config.group, &letter).await?;
+        }
+        Ok(())
+    }
+
     /// Writes the dead letter of one message in the same transaction as its marker.
     async fn dead_letter(&self, item: &Item, reason: &str, attempts: u32) -> Result<Outcome, Error> {
         let config = &self.inner.config;
@@ -679,8 +729,8 @@ impl<DB: Backend> Engine<DB> {
         let mut conn = inner.pool.acquire().await?;
         let mut tx = conn.begin().await?;
         if let Item::Keyed(event) = item {
-            let is_new = DB::claim(&mut tx, &config.tables, &config.group, &[event]).await?;
-            if !is_new.first().copied().unwrap_or(false) {
+            let claims = DB::claim(&mut tx, &config.tables, &config.group, &[event]).await?;
+            if claims.first() != Some(&Claim::New) {
                 // Another consumer handled it in the meantime: nothing to dead-letter.
                 tx.rollback().await?;
                 self.committed(&item.message().topic, &[Outcome::Duplicate]);
@@ -711,12 +761,14 @@ impl<DB: Backend> Engine<DB> {
                 Outcome::Processed => report.processed += 1,
                 Outcome::Duplicate => report.duplicate += 1,
                 Outcome::DeadLettered => report.dead_lettered += 1,
+                Outcome::IdReused => report.id_reused += 1,
             }
         }
         for (outcome, n) in [
             (Outcome::Processed, report.processed),
             (Outcome::Duplicate, report.duplicate),
             (Outcome::DeadLettered, report.dead_lettered),
+            (Outcome::IdReused, report.id_reused),
         ] {
             if n > 0 {
                 metrics::counter!("events_handled_total", "consumer_group" => self.inner.config.group.clone(),
@@ -750,6 +802,8 @@ impl<DB: Backend> Engine<DB> {
                     partition = m.partition, offset = m.offset, outcome = outcome.as_str(), "message has no idempotency key; dead-lettered"),
                 Outcome::Processed => tracing::debug!(event_id, consumer_group = %group, topic = %m.topic,
                     partition = m.partition, offset = m.offset, outcome = outcome.as_str(), batch_ms = elapsed_ms, "processed"),
+                // Logged at WARN, with the first delivery's position, where it was detected.
+                Outcome::IdReused => {}
             }
         }
     }

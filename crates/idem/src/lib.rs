@@ -65,7 +65,7 @@ pub mod prune;
 pub mod source;
 pub mod store;
 
-pub use config::{Config, Pruning};
+pub use config::{Config, IdReusePolicy, Pruning};
 pub use engine::{Committed, Engine, Health, Outcome, StatsSnapshot};
 pub use error::{Error, HandlerError, Retry};
 pub use handler::{BatchHandler, Handler};

@@ -93,6 +93,7 @@ where
     let mut batch: Vec<Message> = (0..10).map(|i| payment(1, i, &format!("e{i}"), 1, "")).collect();
     batch[4] = payment(1, 4, "e4", 1, r#""poison":true"#);
     batch[7] = Message::new("payments", 1, 7, r#"{"id":"e7","amount":"twelve"}"#);
+    let redelivery = batch.clone();
     let outcomes = engine.process(batch, &Ledger::default()).await.unwrap();
     let mut expected = [Outcome::Processed; 10];
     expected[4] = Outcome::DeadLettered;
@@ -109,8 +110,7 @@ where
     assert!(reasons[1].1.contains("payload is not the expected JSON"), "{reasons:?}");
     assert_eq!((letters[0].partition, letters[0].offset), (1, 4));
     // A redelivery of the whole batch: everything is a duplicate, nothing more is dead-lettered.
-    let batch: Vec<Message> = (0..10).map(|i| payment(1, i, &format!("e{i}"), 1, r#""poison":true"#)).collect();
-    let outcomes = engine.process(batch, &Ledger::default()).await.unwrap();
+    let outcomes = engine.process(redelivery, &Ledger::default()).await.unwrap();
     assert_eq!(outcomes, [Outcome::Duplicate; 10]);
     assert_eq!(idem::dead_letter::list(&pool, &idem::Tables::default(), None, 10).await.unwrap().len(), 2);
 }
@@ -194,7 +194,9 @@ where
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     let started = Instant::now();
-    let second = engine.process(vec![payment(2, 17, "same", 42, "")], ledger.as_ref()).await.unwrap();
+    // The same event, redelivered from another partition and offset (same payload).
+    let again = Message { partition: 2, offset: 17, ..slow.clone() };
+    let second = engine.process(vec![again], ledger.as_ref()).await.unwrap();
     let waited = started.elapsed();
     let first = first.await.unwrap().unwrap();
     assert_eq!(first, [Outcome::Processed]);
@@ -217,13 +219,15 @@ where
     setup(&pool).await;
     let engine = Engine::new(pool.clone(), config(1)).unwrap();
     let ledger = Arc::new(Ledger::default());
-    let failing = payment(0, 0, "contested", 9, r#""sleep_ms":300,"poison":true"#);
+    // Both deliveries carry the same payload; the handler fails the first call for this id only.
+    let failing = payment(0, 0, "contested", 9, r#""sleep_ms":300,"fail_first":true"#);
+    let redelivered = failing.clone();
     let first = {
         let (engine, ledger) = (engine.clone(), Arc::clone(&ledger));
         tokio::spawn(async move { engine.process(vec![failing], ledger.as_ref()).await })
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let second = engine.process(vec![payment(0, 0, "contested", 9, "")], ledger.as_ref()).await.unwrap();
+    let second = engine.process(vec![redelivered], ledger.as_ref()).await.unwrap();
     let first = first.await.unwrap().unwrap();
     let letters = idem::dead_letter::list(&pool, &idem::Tables::default(), None, 10).await.unwrap().len() as i64;
     let rows = ledger_rows(&pool, "contested").await;
@@ -274,3 +278,33 @@ where
     assert_eq!(pool.scalar("SELECT COUNT(DISTINCT event_id) FROM ledger").await, 40);
 }
 on_both!(many_concurrent_deliveries);
+
+/// A producer that reuses an event id for a different payload: the marker's digest tells it from a redelivery;
+/// it is not applied, counted as `id_reused`, and dead-lettered under that policy.
+async fn reused_ids_are_detected<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let engine = Engine::new(pool.clone(), config(10)).unwrap();
+    let ledger = Ledger::default();
+    let first = engine.process(vec![payment(0, 0, "r1", 10, "")], &ledger).await.unwrap();
+    let again = engine.process(vec![payment(0, 0, "r1", 10, ""), payment(0, 5, "r1", 99, "")], &ledger).await.unwrap();
+    assert_eq!(first, [Outcome::Processed]);
+    assert_eq!(again, [Outcome::Duplicate, Outcome::IdReused]);
+    assert_eq!(ledger_total(&pool).await, 10);
+    assert_eq!(engine.stats().id_reused, 1);
+    assert!(idem::dead_letter::list(&pool, &idem::Tables::default(), None, 10).await.unwrap().is_empty());
+
+    let strict = Engine::new(pool.clone(), config(10).id_reuse(idem::IdReusePolicy::DeadLetter)).unwrap();
+    strict.process(vec![payment(1, 0, "r2", 1, "")], &ledger).await.unwrap();
+    let reused = strict.process(vec![payment(1, 9, "r2", 2, "")], &ledger).await.unwrap();
+    assert_eq!(reused, [Outcome::IdReused]);
+    let letters = idem::dead_letter::list(&pool, &idem::Tables::default(), None, 10).await.unwrap();
+    assert_eq!(letters.len(), 1);
+    assert!(letters[0].error.contains("reused") && letters[0].error.contains("payments/1/0"), "{}", letters[0].error);
+    assert_eq!(letters[0].offset, 9);
+    assert_eq!(ledger_total(&pool).await, 11);
+}
+on_both!(reused_ids_are_detected);

@@ -31,15 +31,16 @@ pub trait Backend: sqlx::Database + Sized {
     fn migrate(pool: &sqlx::Pool<Self>, tables: &Tables)
     -> impl Future<Output = Result<MigrationReport, Error>> + Send;
 
-    /// Inserts the markers of `events` in the open transaction, first statement of the batch, and returns for
-    /// each event whether its marker is new (`true`: handle it) or already there (`false`: a duplicate).
-    /// A marker held by a concurrent, uncommitted transaction makes this wait for that transaction's outcome.
+    /// Inserts the markers of `events` (with a digest of each payload) in the open transaction, first statement
+    /// of the batch, and returns for each event whether its marker is new (handle it), already there with the
+    /// same payload (a duplicate), or already there with another payload (a reused id). A marker held by a
+    /// concurrent, uncommitted transaction makes this wait for that transaction's outcome.
     fn claim(
         conn: &mut Self::Connection,
         tables: &Tables,
         group: &str,
         events: &[&Event],
-    ) -> impl Future<Output = Result<Vec<bool>, sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<Vec<Claim>, sqlx::Error>> + Send;
 
     /// Records a dead letter in the open transaction; a second failure of the same event updates its row.
     fn dead_letter(
@@ -93,6 +94,34 @@ pub trait Backend: sqlx::Database + Sized {
         tables: &Tables,
         id: i64,
     ) -> impl Future<Output = Result<(), Error>> + Send;
+}
+
+/// The result of claiming one event's marker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// The marker is new: handle the event.
+    New,
+    /// The marker was there, for the same payload (or one stored before digests were kept): a redelivery.
+    Duplicate,
+    /// The marker was there for a different payload: the producer reused the id for another event.
+    Reused {
+        /// Where the first event with this id was delivered from.
+        first: String,
+    },
+}
+
+/// The digest stored with each marker: SHA-256 of the payload.
+pub fn payload_digest(payload: &[u8]) -> Vec<u8> {
+    use sha2::Digest;
+    sha2::Sha256::digest(payload).to_vec()
+}
+
+/// Compares a stored marker with the event claiming it again.
+pub(crate) fn judge_existing(stored_digest: Option<&[u8]>, first: String, event: &Event) -> Claim {
+    match stored_digest {
+        Some(stored) if stored != payload_digest(&event.message.payload).as_slice() => Claim::Reused { first },
+        _ => Claim::Duplicate,
+    }
 }
 
 /// Table names: an optional schema (PostgreSQL only) and a prefix, so several services can share one database.

@@ -7,15 +7,20 @@ use sqlx::{Connection, PgConnection, Postgres, Row};
 
 use super::migrate::{lock_key, pending, split_statements};
 use super::{
-    Backend, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Tables, decode_headers, encode_headers,
+    Backend, Claim, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Tables, decode_headers,
+    encode_headers, judge_existing, payload_digest,
 };
 use crate::error::Error;
 use crate::message::Event;
 
-static MIGRATIONS: [Migration; 2] = [
+static MIGRATIONS: [Migration; 3] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/postgres/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/postgres/0002_dead_letters.sql") },
+    Migration { version: 3, name: "payload_digest", sql: include_str!("sql/postgres/0003_payload_digest.sql") },
 ];
+
+/// A stored marker as the reuse check reads it: event id, payload digest, topic, partition, offset.
+type StoredMarker = (String, Option<Vec<u8>>, String, i32, i64);
 
 impl Backend for Postgres {
     const NAME: &'static str = "postgres";
@@ -62,10 +67,10 @@ impl Backend for Postgres {
         tables: &Tables,
         group: &str,
         events: &[&Event],
-    ) -> Result<Vec<bool>, sqlx::Error> {
+    ) -> Result<Vec<Claim>, sqlx::Error> {
         let sql = tables.render(
-            r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset")
-               SELECT $1, * FROM UNNEST($2::text[], $3::text[], $4::int[], $5::bigint[])
+            r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset", payload_digest)
+               SELECT $1, * FROM UNNEST($2::text[], $3::text[], $4::int[], $5::bigint[], $6::bytea[])
                ON CONFLICT (consumer_group, event_id) DO NOTHING
                RETURNING event_id"#,
         );
@@ -73,16 +78,45 @@ impl Backend for Postgres {
         let topics: Vec<&str> = events.iter().map(|e| e.message.topic.as_str()).collect();
         let partitions: Vec<i32> = events.iter().map(|e| e.message.partition).collect();
         let offsets: Vec<i64> = events.iter().map(|e| e.message.offset).collect();
+        let digests: Vec<Vec<u8>> = events.iter().map(|e| payload_digest(&e.message.payload)).collect();
         let rows = sqlx::query(&sql)
             .bind(group)
             .bind(&ids)
             .bind(&topics)
             .bind(&partitions)
             .bind(&offsets)
-            .fetch_all(conn)
+            .bind(&digests)
+            .fetch_all(&mut *conn)
             .await?;
         let fresh: HashSet<String> = rows.iter().map(|r| r.try_get::<String, _>(0)).collect::<Result<_, _>>()?;
-        Ok(events.iter().map(|e| fresh.contains(&e.id)).collect())
+        if fresh.len() == events.len() {
+            return Ok(vec![Claim::New; events.len()]);
+        }
+        // Duplicates (rare): compare their payloads with what the first delivery stored.
+        let existing: Vec<&str> = ids.iter().copied().filter(|id| !fresh.contains(*id)).collect();
+        let stored: Vec<StoredMarker> = sqlx::query_as(&tables.render(
+            r#"SELECT event_id, payload_digest, topic, partition, "offset" FROM {t}processed_events
+                WHERE consumer_group = $1 AND event_id = ANY($2)"#,
+        ))
+        .bind(group)
+        .bind(&existing)
+        .fetch_all(&mut *conn)
+        .await?;
+        let stored: std::collections::HashMap<&str, _> = stored.iter().map(|row| (row.0.as_str(), row)).collect();
+        Ok(events
+            .iter()
+            .map(|e| {
+                if fresh.contains(&e.id) {
+                    return Claim::New;
+                }
+                match stored.get(e.id.as_str()) {
+                    Some((_, digest, topic, partition, offset)) => {
+                        judge_existing(digest.as_deref(), format!("{topic}/{partition}/{offset}"), e)
+                    }
+                    None => Claim::Duplicate,
+                }
+            })
+            .collect())
     }
 
     async fn dead_letter(

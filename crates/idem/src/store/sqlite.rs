@@ -5,14 +5,16 @@ use sqlx::{Connection, Row, Sqlite, SqliteConnection};
 
 use super::migrate::{pending, split_statements};
 use super::{
-    Backend, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Tables, decode_headers, encode_headers,
+    Backend, Claim, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Tables, decode_headers,
+    encode_headers, judge_existing, payload_digest,
 };
 use crate::error::Error;
 use crate::message::Event;
 
-static MIGRATIONS: [Migration; 2] = [
+static MIGRATIONS: [Migration; 3] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/sqlite/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/sqlite/0002_dead_letters.sql") },
+    Migration { version: 3, name: "payload_digest", sql: include_str!("sql/sqlite/0003_payload_digest.sql") },
 ];
 
 impl Backend for Sqlite {
@@ -61,24 +63,40 @@ impl Backend for Sqlite {
         tables: &Tables,
         group: &str,
         events: &[&Event],
-    ) -> Result<Vec<bool>, sqlx::Error> {
-        let sql = tables.render(
-            r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset")
-               VALUES ($1, $2, $3, $4, $5) ON CONFLICT (consumer_group, event_id) DO NOTHING"#,
+    ) -> Result<Vec<Claim>, sqlx::Error> {
+        let insert = tables.render(
+            r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset", payload_digest)
+               VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (consumer_group, event_id) DO NOTHING"#,
         );
-        let mut fresh = Vec::with_capacity(events.len());
+        let lookup = tables.render(
+            r#"SELECT payload_digest, topic, partition, "offset" FROM {t}processed_events
+                WHERE consumer_group = $1 AND event_id = $2"#,
+        );
+        let mut claims = Vec::with_capacity(events.len());
         for e in events {
-            let done = sqlx::query(&sql)
+            let done = sqlx::query(&insert)
                 .bind(group)
                 .bind(&e.id)
                 .bind(&e.message.topic)
                 .bind(e.message.partition)
                 .bind(e.message.offset)
+                .bind(payload_digest(&e.message.payload))
                 .execute(&mut *conn)
                 .await?;
-            fresh.push(done.rows_affected() == 1);
+            if done.rows_affected() == 1 {
+                claims.push(Claim::New);
+                continue;
+            }
+            let stored: Option<(Option<Vec<u8>>, String, i32, i64)> =
+                sqlx::query_as(&lookup).bind(group).bind(&e.id).fetch_optional(&mut *conn).await?;
+            claims.push(match stored {
+                Some((digest, topic, partition, offset)) => {
+                    judge_existing(digest.as_deref(), format!("{topic}/{partition}/{offset}"), e)
+                }
+                None => Claim::Duplicate,
+            });
         }
-        Ok(fresh)
+        Ok(claims)
     }
 
     async fn dead_letter(

@@ -167,6 +167,9 @@ struct Payment {
     /// Fail permanently after writing the entry.
     #[serde(default)]
     poison: bool,
+    /// Fail permanently the first time this handler sees the id (after sleeping), succeed afterwards.
+    #[serde(default)]
+    fail_first: bool,
 }
 
 /// The test handler: writes a ledger entry, then does what the payload asks.
@@ -205,6 +208,9 @@ macro_rules! ledger_handler {
                 }
                 if p.poison {
                     return Err(HandlerError::permanent("poison payment"));
+                }
+                if p.fail_first && self.attempt(&format!("fail-first-{}", event.id)) == 1 {
+                    return Err(HandlerError::permanent("failing the first delivery"));
                 }
                 if p.flaky > 0 && self.attempt(&event.id) <= p.flaky {
                     let retryable: fn() -> Result<(), HandlerError> = $retryable;
