@@ -66,6 +66,7 @@ pub struct Stats {
     retried: AtomicU64,
     dead_lettered: AtomicU64,
     id_reused: AtomicU64,
+    lost: AtomicU64,
 }
 
 /// A copy of [`Stats`] at one moment.
@@ -81,6 +82,8 @@ pub struct StatsSnapshot {
     pub dead_lettered: u64,
     /// Events whose id had been used by another payload.
     pub id_reused: u64,
+    /// Events never delivered, from holes in producer sequence numbers (see [`crate::gap`]).
+    pub lost: u64,
 }
 
 impl Stats {
@@ -92,6 +95,7 @@ impl Stats {
             retried: self.retried.load(Ordering::Relaxed),
             dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
             id_reused: self.id_reused.load(Ordering::Relaxed),
+            lost: self.lost.load(Ordering::Relaxed),
         }
     }
 
@@ -462,6 +466,7 @@ impl<DB: Backend> Engine<DB> {
         let engine = self.clone();
         let stop = Arc::clone(&stopping);
         let task = tokio::spawn(async move {
+            let mut gaps = crate::gap::SequenceGaps::default();
             tracing::debug!(topic = %partition.topic, partition = partition.partition, "partition worker started");
             while let Some(first) = inbox.recv().await {
                 if stop.load(Ordering::SeqCst) {
@@ -476,6 +481,7 @@ impl<DB: Backend> Engine<DB> {
                     }
                 }
                 let last = batch.last().map(|m| m.offset).unwrap_or_default();
+                engine.detect_gaps(&mut gaps, &batch);
                 let items = engine.items(batch);
                 if let Err(error) = engine.process_items(&items, apply.as_ref()).await {
                     tracing::error!(%error, topic = %partition.topic, partition = partition.partition, "partition worker stopped");
@@ -490,6 +496,22 @@ impl<DB: Backend> Engine<DB> {
             }
         });
         Worker { queue, stopping, task }
+    }
+
+    /// Counts events that producer sequence numbers show were never delivered.
+    fn detect_gaps(&self, gaps: &mut crate::gap::SequenceGaps, batch: &[Message]) {
+        for message in batch {
+            let lost = gaps.observe(message);
+            if lost > 0 {
+                self.inner.stats.lost.fetch_add(lost, Ordering::Relaxed);
+                metrics::counter!("events_lost_total", "consumer_group" => self.inner.config.group.clone(),
+                    "topic" => message.topic.clone())
+                .increment(lost);
+                tracing::warn!(consumer_group = %self.inner.config.group, topic = %message.topic,
+                    partition = message.partition, offset = message.offset, lost,
+                    "producer sequence jumped: events were lost before this one");
+            }
+        }
     }
 
     /// Acknowledges after commit. A failed acknowledgement loses nothing: the messages come again and are

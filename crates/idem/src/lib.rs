@@ -44,6 +44,7 @@
 //!   idempotency key comes from ([`KeyExtractor`]).
 //! * [`store`]: the database seam ([`Backend`]) with its PostgreSQL and SQLite modules and migrations.
 //! * [`source`]: the broker seam ([`Source`], [`Publisher`]) and its contract; [`log`]: the embedded log.
+//! * [`gap`]: lost-event detection from producer sequence numbers.
 //! * [`prune`]: bounded, lock-friendly pruning of markers.
 //! * [`dead_letter`]: listing and replaying dead letters. [`fault`]: crash injection for tests and the demo.
 //! * [`error`]: errors that say whether a retry can help.
@@ -55,6 +56,7 @@ pub mod dead_letter;
 pub mod engine;
 pub mod error;
 pub mod fault;
+pub mod gap;
 pub mod handler;
 #[cfg(feature = "kafka")]
 pub mod kafka;

@@ -214,3 +214,27 @@ async fn missing_tables_stop_the_engine_without_acknowledging() {
     assert!(err.to_string().contains("processed_events"), "{err}");
     assert_eq!(log.committed("ledger-writer", "payments").unwrap(), [0]);
 }
+
+/// A hole in a producer's sequence numbers is counted as lost events; redeliveries are not.
+#[tokio::test]
+async fn sequence_gaps_count_lost_events() {
+    let db = common::sqlite().await;
+    common::setup(&db.pool).await;
+    let dir = temp_dir();
+    let log = EmbeddedLog::open(&dir.0).unwrap();
+    log.create_topic("payments", 1).unwrap();
+    let producer = log.producer();
+    for seq in [1u64, 2, 3, 6, 7, 3, 8] {
+        let headers = vec![
+            (idem::gap::PRODUCER_ID_HEADER.to_owned(), b"producer-a".to_vec()),
+            (idem::gap::SEQUENCE_HEADER.to_owned(), seq.to_string().into_bytes()),
+        ];
+        let payload = format!(r#"{{"id":"s{seq}","amount":1}}"#);
+        producer.send("payments", None, payload.as_bytes(), &headers).unwrap();
+    }
+    let engine = Engine::new(db.pool.clone(), config(3)).unwrap();
+    let source = log.consumer("ledger-writer", &["payments"], until_end()).unwrap();
+    let stats = engine.run(source, Ledger::default(), std::future::pending::<()>()).await.unwrap();
+    assert_eq!(stats.lost, 2, "4 and 5 never arrived");
+    assert_eq!((stats.processed, stats.duplicate), (6, 1));
+}

@@ -117,6 +117,7 @@ async fn committed_offsets_survive_a_restart_and_the_rest_is_redelivered() {
     let engine = Engine::new(db.pool.clone(), engine_config).unwrap();
     let stats = engine.run(source, Ledger::default(), std::future::pending::<()>()).await.unwrap();
     assert_eq!((stats.processed, stats.duplicate), (40, 60));
+    assert_eq!(stats.lost, 0, "the producer helper's sequence numbers show no hole");
     assert_eq!(ledger_total(&db.pool).await, expected);
     assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM ledger").await, 300);
 }
