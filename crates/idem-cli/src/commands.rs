@@ -28,7 +28,7 @@ pub async fn migrate(args: &DbArgs) -> anyhow::Result<ExitCode> {
 pub async fn stats(args: &DbArgs, json: bool) -> anyhow::Result<ExitCode> {
     let tables = db::tables(args)?;
     let db = Db::open(&args.database_url, 1).await?;
-    let stats = with_pool!(&db, pool => idem::store::stats(pool, &tables).await?);
+    let stats = with_pool!(&db, pool => idem::store::stats(pool, &tables, None).await?);
     print_stats(&stats, json)?;
     Ok(ExitCode::SUCCESS)
 }

@@ -24,7 +24,8 @@ fn get(addr: &str, path: &str) -> (u16, String) {
 
 #[test]
 fn metrics_health_and_prune_of_a_running_consumer() {
-    let dir = std::env::temp_dir().join(format!("idem-cli-http-{}", std::process::id()));
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let dir = std::env::temp_dir().join(format!("idem-cli-http-{}-{nanos}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let url = format!("sqlite://{}/ledger.db", dir.display());
@@ -44,18 +45,27 @@ fn metrics_health_and_prune_of_a_running_consumer() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, lines) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
     let (mut addr, mut handled) = (String::new(), 0);
     let deadline = Instant::now() + Duration::from_secs(30);
     while (addr.is_empty() || handled < 12) && Instant::now() < deadline {
-        let Some(Ok(line)) = lines.next() else { break };
+        let Ok(line) = lines.recv_timeout(Duration::from_millis(200)) else { continue };
         let value: Value = serde_json::from_str(&line).unwrap_or_default();
         if let Some(a) = value["metrics_addr"].as_str() {
             addr = a.to_owned();
         }
         handled += value["processed"].as_u64().unwrap_or(0) + value["duplicate"].as_u64().unwrap_or(0);
     }
-    assert!(!addr.is_empty() && handled == 12, "addr {addr:?}, handled {handled}");
+    if addr.is_empty() || handled != 12 {
+        let _ = child.kill();
+        panic!("addr {addr:?}, handled {handled}");
+    }
 
     assert_eq!(get(&addr, "/healthz"), (200, "ok\n".to_owned()));
     let (status, body) = get(&addr, "/readyz");
@@ -71,7 +81,18 @@ fn metrics_health_and_prune_of_a_running_consumer() {
     unsafe {
         libc::kill(child.id() as i32, libc::SIGTERM);
     }
-    assert!(child.wait().unwrap().success(), "SIGTERM drains and exits cleanly");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the consumer did not stop within 20 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "SIGTERM drains and exits cleanly: {status}");
 
     // idem prune: a dry run counts, a pass deletes in bounded statements.
     let db = ["--database-url", url.as_str(), "--table-prefix", "idem_demo_"];

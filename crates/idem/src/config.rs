@@ -17,7 +17,8 @@ pub struct Config {
     /// document 000; larger batches commit less often. Default 100.
     pub batch_size: usize,
     /// Attempts for a batch that fails with a retryable handler error before the message is dead-lettered.
-    /// Database outages are retried without limit (the dead-letter write would fail as well). Default 5.
+    /// Database outages are retried without limit (the dead-letter write would fail as well). Default 10
+    /// (about 16 s of backoff with the default delays, so lock contention passes before anything is dead-lettered).
     pub max_attempts: u32,
     /// First retry delay; doubles with each attempt. Default 50 ms.
     pub backoff_initial: Duration,
@@ -78,7 +79,7 @@ impl Config {
             group: group.into(),
             key,
             batch_size: 100,
-            max_attempts: 5,
+            max_attempts: 10,
             backoff_initial: Duration::from_millis(50),
             backoff_max: Duration::from_secs(5),
             tables: Tables::default(),

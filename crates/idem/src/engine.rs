@@ -338,7 +338,7 @@ impl<DB: Backend> Engine<DB> {
     /// source: for custom loops and tests. Returns each message's outcome; nothing is acknowledged.
     pub async fn process<H: Handler<DB>>(&self, messages: Vec<Message>, handler: &H) -> Result<Vec<Outcome>, Error> {
         let items = self.items(messages);
-        self.process_items(&items, &PerMessageRef(handler)).await
+        self.process_items(&items, &PerMessageRef(handler), &AtomicBool::new(false)).await
     }
 
     /// Like [`Engine::process`] with a batch handler.
@@ -348,7 +348,7 @@ impl<DB: Backend> Engine<DB> {
         handler: &B,
     ) -> Result<Vec<Outcome>, Error> {
         let items = self.items(messages);
-        self.process_items(&items, &PerBatchRef(handler)).await
+        self.process_items(&items, &PerBatchRef(handler), &AtomicBool::new(false)).await
     }
 
     async fn run_with<S: Source, A: Apply<DB> + 'static>(
@@ -386,9 +386,21 @@ impl<DB: Backend> Engine<DB> {
                             self.inner.partitions.store(workers.len() as u64, Ordering::SeqCst);
                         }
                         let Some(worker) = workers.get(&key) else { continue };
-                        if worker.queue.send(message).await.is_err() {
-                            // The worker stopped on a fatal error, which is waiting in fatal_rx.
-                            continue;
+                        tokio::select! {
+                            sent = worker.queue.send(message) => {
+                                if sent.is_err() {
+                                    // The worker is gone: its error is on its way through fatal_rx.
+                                    continue;
+                                }
+                            }
+                            error = fatal_rx.recv() => {
+                                if let Some(error) = error { break 'poll Err(error); }
+                            }
+                            _ = &mut shutdown => {
+                                tracing::info!(group = %self.inner.config.group, "shutdown requested while a partition was full: draining");
+                                for worker in workers.values() { worker.stopping.store(true, Ordering::SeqCst); }
+                                break 'poll Ok(());
+                            }
                         }
                     }
                     Ok(Some(Received::Revoked { partitions, drained })) => {
@@ -466,6 +478,7 @@ impl<DB: Backend> Engine<DB> {
         let engine = self.clone();
         let stop = Arc::clone(&stopping);
         let task = tokio::spawn(async move {
+            let mut guard = PanicGuard { fatal: Some(fatal.clone()), partition: partition.clone() };
             let mut gaps = crate::gap::SequenceGaps::default();
             tracing::debug!(topic = %partition.topic, partition = partition.partition, "partition worker started");
             while let Some(first) = inbox.recv().await {
@@ -483,10 +496,15 @@ impl<DB: Backend> Engine<DB> {
                 let last = batch.last().map(|m| m.offset).unwrap_or_default();
                 engine.detect_gaps(&mut gaps, &batch);
                 let items = engine.items(batch);
-                if let Err(error) = engine.process_items(&items, apply.as_ref()).await {
-                    tracing::error!(%error, topic = %partition.topic, partition = partition.partition, "partition worker stopped");
-                    let _ = fatal.send(error);
-                    return;
+                match engine.process_items(&items, apply.as_ref(), &stop).await {
+                    Ok(_) => {}
+                    Err(Error::Stopped) => break,
+                    Err(error) => {
+                        tracing::error!(%error, topic = %partition.topic, partition = partition.partition, "partition worker stopped");
+                        let _ = fatal.send(error);
+                        guard.fatal = None;
+                        return;
+                    }
                 }
                 let committed = Instant::now();
                 engine.ack(source.as_ref(), &partition, last).await;
@@ -494,6 +512,7 @@ impl<DB: Backend> Engine<DB> {
                     "topic" => partition.topic.clone(), "partition" => partition.partition.to_string())
                 .set(committed.elapsed().as_secs_f64());
             }
+            guard.fatal = None;
         });
         Worker { queue, stopping, task }
     }
@@ -535,16 +554,21 @@ impl<DB: Backend> Engine<DB> {
     }
 
     /// Handles `items` in order: commits as much of them together as possible, dead-letters the failures.
-    async fn process_items<A: Apply<DB>>(&self, items: &[Item], apply: &A) -> Result<Vec<Outcome>, Error> {
+    async fn process_items<A: Apply<DB>>(
+        &self,
+        items: &[Item],
+        apply: &A,
+        stop: &AtomicBool,
+    ) -> Result<Vec<Outcome>, Error> {
         let mut outcomes = Vec::with_capacity(items.len());
         let mut steps = VecDeque::from([Step::Range(0..items.len())]);
         while let Some(step) = steps.pop_front() {
             match step {
                 Step::DeadLetter { index, reason, attempts } => {
-                    outcomes.push(self.dead_letter(&items[index], &reason, attempts).await?);
+                    outcomes.push(self.dead_letter(&items[index], &reason, attempts, stop).await?);
                 }
                 Step::Range(range) if range.is_empty() => {}
-                Step::Range(range) => match self.attempt(&items[range.clone()], apply).await? {
+                Step::Range(range) => match self.attempt(&items[range.clone()], apply, stop).await? {
                     Ok(done) => outcomes.extend(done),
                     Err((Some(at), reason, attempts)) => {
                         // Commit what precedes the failing message, dead-letter it, then go on after it.
@@ -574,6 +598,7 @@ impl<DB: Backend> Engine<DB> {
         &self,
         items: &[Item],
         apply: &A,
+        stop: &AtomicBool,
     ) -> Result<Result<Vec<Outcome>, (Option<usize>, String, u32)>, Error> {
         let config = &self.inner.config;
         let mut attempts = 0u32;
@@ -593,10 +618,16 @@ impl<DB: Backend> Engine<DB> {
                 Err(Failure::Handler { at, error: HandlerError::Permanent(reason) }) => {
                     return Ok(Err((at, reason, attempts)));
                 }
+                Err(Failure::Handler { error: HandlerError::TransactionAborted(reason), .. }) => {
+                    return Ok(Err((None, reason, attempts)));
+                }
                 Err(Failure::Handler { at, error: HandlerError::Retryable(reason) }) => {
                     if attempts >= config.max_attempts {
                         let reason = format!("gave up after {attempts} attempts: {reason}");
                         return Ok(Err((at, reason, attempts)));
+                    }
+                    if stop.load(Ordering::SeqCst) {
+                        return Err(Error::Stopped);
                     }
                     self.count_retry(items);
                     let delay = config.backoff_for(attempts);
@@ -606,6 +637,9 @@ impl<DB: Backend> Engine<DB> {
                 Err(Failure::Database(error)) if classify(&error) == Retry::Helps => {
                     attempts -= 1;
                     outages += 1;
+                    if stop.load(Ordering::SeqCst) {
+                        return Err(Error::Stopped);
+                    }
                     self.count_retry(items);
                     let delay = config.backoff_for(outages);
                     tracing::warn!(group = %config.group, %error, ?delay, "transient database error; retrying the batch");
@@ -629,6 +663,9 @@ impl<DB: Backend> Engine<DB> {
         let mut reused_in_batch: Vec<(usize, &Event, String)> = Vec::new();
         for (index, item) in items.iter().enumerate() {
             let Item::Keyed(event) = item else { continue };
+            if replayed_for_another_group(&event.message, &config.group) {
+                continue;
+            }
             match first_of.get(event.id.as_str()) {
                 None => {
                     first_of.insert(event.id.as_str(), event);
@@ -684,7 +721,29 @@ impl<DB: Backend> Engine<DB> {
             return Err(Failure::Handler { at: at.map(|i| fresh_at[i]), error });
         }
 
-        // 4. COMMIT; the acknowledgement comes after, from the caller.
+        // 4. COMMIT; the acknowledgement comes after, from the caller. A handler that swallowed a database
+        // error can leave the transaction aborted, where PostgreSQL answers COMMIT with a silent ROLLBACK:
+        // check first, so such a batch is never reported (and acknowledged) as committed.
+        if !fresh.is_empty() {
+            match DB::transaction_intact(&mut tx).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    let _ = tx.rollback().await;
+                    let reason = "the handler ended the transaction itself (COMMIT or ROLLBACK through tx); \
+                                  leave transaction control to idem";
+                    return Err(Failure::Handler { at: None, error: HandlerError::Permanent(reason.into()) });
+                }
+                Err(error) if classify(&error) == Retry::Helps => return Err(Failure::Database(error)),
+                Err(error) => {
+                    let _ = tx.rollback().await;
+                    let reason = format!(
+                        "the transaction was aborted by an earlier error the handler did not return ({error}); \
+                         to tolerate an error inside a handler, run that statement in a savepoint (tx.begin())"
+                    );
+                    return Err(Failure::Handler { at: None, error: HandlerError::Permanent(reason) });
+                }
+            }
+        }
         inner.faults.reached(FaultPoint::BeforeCommit);
         if let Err(error) = tx.commit().await {
             return Err(match classify(&error) {
@@ -710,18 +769,22 @@ impl<DB: Backend> Engine<DB> {
             offset = m.offset, first_seen_at = first, outcome = Outcome::IdReused.as_str(),
             "event id reused for a different payload; not applied");
         if config.id_reuse == IdReusePolicy::DeadLetter {
+            // Stored by position, not under the event id, which belongs to the first event (and may have its
+            // own dead letter).
             let reason = format!(
-                "event id {} was reused for a different payload (first seen at {first}); replay it to apply it anyway",
+                "{} event id {} was already used by a different payload (first seen at {first}); fix the producer \
+                 and publish this event under a new id",
+                crate::dead_letter::ID_REUSED_PREFIX,
                 event.id
             );
-            let letter = NewDeadLetter { event_id: Some(&event.id), message: m, error: &reason, attempts: 1 };
+            let letter = NewDeadLetter { event_id: None, message: m, error: &reason, attempts: 1 };
             DB::dead_letter(tx, &config.tables, &config.group, &letter).await?;
         }
         Ok(())
     }
 
     /// Writes the dead letter of one message in the same transaction as its marker.
-    async fn dead_letter(&self, item: &Item, reason: &str, attempts: u32) -> Result<Outcome, Error> {
+    async fn dead_letter(&self, item: &Item, reason: &str, attempts: u32, stop: &AtomicBool) -> Result<Outcome, Error> {
         let config = &self.inner.config;
         let mut outages = 0u32;
         loop {
@@ -734,6 +797,7 @@ impl<DB: Backend> Engine<DB> {
                     }
                     return Ok(outcome);
                 }
+                Err(_) if stop.load(Ordering::SeqCst) => return Err(Error::Stopped),
                 Err(error) if classify(&error) == Retry::Helps => {
                     outages += 1;
                     let delay = config.backoff_for(outages);
@@ -831,10 +895,34 @@ impl<DB: Backend> Engine<DB> {
     }
 }
 
+/// A dead-letter replay addressed to another consumer group: this group handled the original already.
+fn replayed_for_another_group(message: &Message, group: &str) -> bool {
+    message.header(crate::dead_letter::REPLAY_FOR_HEADER).is_some_and(|target| target != group.as_bytes())
+}
+
 fn key_of(item: &Item) -> Option<&str> {
     match item {
         Item::Keyed(event) => Some(event.id.as_str()),
         Item::Unkeyed { .. } => None,
+    }
+}
+
+/// Reports a worker that unwinds (a panic in a handler) as a fatal error, so the engine stops instead of
+/// silently leaving the partition without a worker.
+struct PanicGuard {
+    fatal: Option<mpsc::UnboundedSender<Error>>,
+    partition: Partition,
+}
+
+impl Drop for PanicGuard {
+    fn drop(&mut self) {
+        if let Some(fatal) = self.fatal.take() {
+            let p = &self.partition;
+            let _ = fatal.send(Error::Worker(format!(
+                "the worker of {}/{} panicked (a bug in a handler or in idem); nothing of its batch was acknowledged",
+                p.topic, p.partition
+            )));
+        }
     }
 }
 
@@ -866,7 +954,7 @@ impl<DB: Backend> Engine<DB> {
 
     async fn publish_marker_gauges(&self) {
         let config = &self.inner.config;
-        match DB::stats(&self.inner.pool, &config.tables).await {
+        match DB::stats(&self.inner.pool, &config.tables, Some(&config.group)).await {
             Ok(groups) => {
                 let mine = groups.into_iter().find(|g| g.consumer_group == config.group);
                 let (rows, oldest, dead) =

@@ -24,7 +24,6 @@ pub fn classify(error: &sqlx::Error) -> Retry {
     match error {
         sqlx::Error::Io(_)
         | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed
         | sqlx::Error::Tls(_)
         | sqlx::Error::Protocol(_) => Retry::Helps,
@@ -56,6 +55,10 @@ pub enum HandlerError {
     /// Permanent: the message's effects are rolled back and it is dead-lettered with this reason, in the same
     /// transaction as its marker, so it is neither lost nor retried forever.
     Permanent(String),
+    /// The transaction was already aborted by an earlier statement whose error a handler did not return
+    /// (PostgreSQL 25P02). Not this message's fault: the batch is re-run one message per transaction to find the
+    /// one that was. `?` on a `sqlx::Error` produces it.
+    TransactionAborted(String),
 }
 
 impl HandlerError {
@@ -73,14 +76,14 @@ impl HandlerError {
     pub fn retry(&self) -> Retry {
         match self {
             HandlerError::Retryable(_) => Retry::Helps,
-            HandlerError::Permanent(_) => Retry::Useless,
+            HandlerError::Permanent(_) | HandlerError::TransactionAborted(_) => Retry::Useless,
         }
     }
 
     /// The reason, as given.
     pub fn reason(&self) -> &str {
         match self {
-            HandlerError::Retryable(r) | HandlerError::Permanent(r) => r,
+            HandlerError::Retryable(r) | HandlerError::Permanent(r) | HandlerError::TransactionAborted(r) => r,
         }
     }
 }
@@ -90,6 +93,7 @@ impl fmt::Display for HandlerError {
         match self {
             HandlerError::Retryable(r) => write!(f, "retryable: {r}"),
             HandlerError::Permanent(r) => write!(f, "permanent: {r}"),
+            HandlerError::TransactionAborted(r) => write!(f, "transaction aborted earlier: {r}"),
         }
     }
 }
@@ -98,6 +102,11 @@ impl std::error::Error for HandlerError {}
 
 impl From<sqlx::Error> for HandlerError {
     fn from(error: sqlx::Error) -> Self {
+        if let sqlx::Error::Database(db) = &error
+            && db.code().as_deref() == Some("25P02")
+        {
+            return HandlerError::TransactionAborted(format!("database: {error}"));
+        }
         match classify(&error) {
             Retry::Helps => HandlerError::Retryable(format!("database: {error}")),
             Retry::Useless => HandlerError::Permanent(format!("database: {error}")),
@@ -126,6 +135,12 @@ pub enum Error {
     /// The database schema is not what this version of idem expects.
     #[error("schema: {0}")]
     Schema(String),
+    /// A partition worker panicked (a bug in a handler or in idem).
+    #[error("worker: {0}")]
+    Worker(String),
+    /// The consumer is stopping: a batch waiting to be retried was abandoned, unacknowledged, to be redelivered.
+    #[error("stopped: the batch was left unacknowledged because the consumer is stopping")]
+    Stopped,
 }
 
 impl Error {
@@ -134,7 +149,8 @@ impl Error {
         match self {
             Error::Database(e) => classify(e),
             Error::Source(e) => e.retry(),
-            Error::Config(_) | Error::Schema(_) => Retry::Useless,
+            Error::Config(_) | Error::Schema(_) | Error::Worker(_) => Retry::Useless,
+            Error::Stopped => Retry::Helps,
         }
     }
 }

@@ -63,6 +63,9 @@ impl KeyExtractor {
         if key.trim().is_empty() {
             return Err(self.missing("gave an empty key"));
         }
+        if key.contains('\0') {
+            return Err(self.missing("gave a key containing a NUL character"));
+        }
         if key.len() > MAX_KEY_LEN {
             return Err(self.missing(&format!("gave a key of {} bytes (at most {MAX_KEY_LEN})", key.len())));
         }
@@ -140,6 +143,12 @@ mod tests {
         assert!(err.to_string().contains("header:idem-event-id is absent") || err.problem.contains("absent"));
         let bad = msg("{}").with_header("idem-event-id", vec![0xff, 0xfe]);
         assert!(k.extract(&bad).unwrap_err().problem.contains("UTF-8"));
+    }
+
+    #[test]
+    fn nul_in_a_key_is_refused() {
+        let k: KeyExtractor = "json:/id".parse().unwrap();
+        assert!(k.extract(&msg(r#"{"id":"a\u0000b"}"#)).unwrap_err().problem.contains("NUL"));
     }
 
     #[test]

@@ -238,3 +238,27 @@ async fn sequence_gaps_count_lost_events() {
     assert_eq!(stats.lost, 2, "4 and 5 never arrived");
     assert_eq!((stats.processed, stats.duplicate), (6, 1));
 }
+
+/// A handler that panics stops the engine with an error instead of leaving its partition silently stalled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_handler_stops_the_engine() {
+    struct Panics;
+    impl Handler<sqlx::Sqlite> for Panics {
+        async fn handle(&self, _event: &Event, _tx: &mut sqlx::SqliteConnection) -> Result<(), HandlerError> {
+            panic!("handler bug");
+        }
+    }
+    let db = common::sqlite().await;
+    common::setup(&db.pool).await;
+    let dir = temp_dir();
+    let log = EmbeddedLog::open(&dir.0).unwrap();
+    log.create_topic("payments", 1).unwrap();
+    produce(&log, 0, 3, "");
+    let engine = Engine::new(db.pool.clone(), config(10)).unwrap();
+    let source = log.consumer("ledger-writer", &["payments"], ConsumerOptions::default()).unwrap();
+    let run = engine.run(source, Panics, std::future::pending::<()>());
+    let err =
+        tokio::time::timeout(std::time::Duration::from_secs(20), run).await.expect("the engine stops").unwrap_err();
+    assert!(matches!(err, idem::Error::Worker(_)), "{err}");
+    assert_eq!(log.committed("ledger-writer", "payments").unwrap(), [0], "nothing acknowledged");
+}

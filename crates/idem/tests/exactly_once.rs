@@ -308,3 +308,48 @@ where
     assert_eq!(ledger_total(&pool).await, 11);
 }
 on_both!(reused_ids_are_detected);
+
+/// A handler that swallows a database error leaves a PostgreSQL transaction aborted, where COMMIT silently
+/// rolls back: the engine must notice, never report that batch as committed, and isolate the message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swallowed_error_is_not_reported_as_committed() {
+    struct Swallow;
+    impl Handler<sqlx::Postgres> for Swallow {
+        async fn handle(&self, event: &idem::Event, tx: &mut sqlx::PgConnection) -> Result<(), idem::HandlerError> {
+            sqlx::query("INSERT INTO ledger (event_id, amount) VALUES ($1, 1)")
+                .bind(&event.id)
+                .execute(&mut *tx)
+                .await?;
+            if event.id == "bad" {
+                let _ = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await; // error ignored: tx is now aborted
+            }
+            Ok(())
+        }
+    }
+    let db = common::pg().await;
+    setup(&db.pool).await;
+    let engine = Engine::new(db.pool.clone(), config(10)).unwrap();
+    let batch = vec![payment(0, 0, "a", 1, ""), payment(0, 1, "bad", 1, ""), payment(0, 2, "c", 1, "")];
+    let outcomes = engine.process(batch, &Swallow).await.unwrap();
+    assert_eq!(outcomes, [Outcome::Processed, Outcome::DeadLettered, Outcome::Processed]);
+    assert_eq!(ledger_rows(&db.pool, "a").await + ledger_rows(&db.pool, "c").await, 2, "the others committed");
+    assert_eq!(markers(&db.pool, "a").await + markers(&db.pool, "c").await, 2);
+    let letters = idem::dead_letter::list(&db.pool, &idem::Tables::default(), None, 10).await.unwrap();
+    assert!(letters[0].error.contains("aborted"), "{}", letters[0].error);
+}
+
+/// A replayed dead letter is addressed to its group: other groups on the topic skip it.
+async fn replays_for_another_group_are_skipped<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let engine = Engine::new(pool.clone(), config(10)).unwrap();
+    let for_other = payment(0, 0, "x1", 5, "").with_header(idem::dead_letter::REPLAY_FOR_HEADER, "billing");
+    let for_us = payment(0, 1, "x2", 7, "").with_header(idem::dead_letter::REPLAY_FOR_HEADER, "ledger-writer");
+    let outcomes = engine.process(vec![for_other, for_us], &Ledger::default()).await.unwrap();
+    assert_eq!(outcomes, [Outcome::Duplicate, Outcome::Processed]);
+    assert_eq!(ledger_total(&pool).await, 7);
+}
+on_both!(replays_for_another_group_are_skipped);

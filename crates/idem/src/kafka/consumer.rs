@@ -36,6 +36,7 @@ struct Shared {
     stop_at_end: bool,
     drain_timeout: Duration,
     assigned: Mutex<HashSet<Partition>>,
+    revoking: Mutex<HashSet<Partition>>,
     acked: Mutex<HashMap<Partition, i64>>,
     at_end: Mutex<HashSet<i32>>,
     observer: Option<AssignmentObserver>,
@@ -51,7 +52,11 @@ impl ConsumerContext for Context {
         match rebalance {
             Rebalance::Revoke(list) => {
                 let partitions = partitions_of(list);
-                tracing::info!(?partitions, "kafka: partitions revoked; draining");
+                let lost = consumer.assignment_lost();
+                tracing::info!(?partitions, lost, "kafka: partitions revoked; draining");
+                // Messages of these partitions still queued for the engine are dropped from here on: they are
+                // unacknowledged, and the next owner gets them from the last commit.
+                lock(&shared.revoking).extend(partitions.iter().cloned());
                 if !shared.closing.load(Ordering::SeqCst) {
                     let (drained, mut done) = Drained::channel();
                     let revoked = Received::Revoked { partitions: partitions.clone(), drained };
@@ -66,7 +71,12 @@ impl ConsumerContext for Context {
                         }
                     }
                 }
-                commit_acked(consumer, shared, &partitions, CommitMode::Sync);
+                if lost {
+                    // The group already gave them away: a commit would be refused.
+                    tracing::warn!(?partitions, "kafka: assignment lost; their in-flight work will be redelivered");
+                } else {
+                    commit_acked(consumer, shared, &partitions, CommitMode::Sync);
+                }
                 let mut assigned = lock(&shared.assigned);
                 let mut acked = lock(&shared.acked);
                 for p in &partitions {
@@ -74,10 +84,21 @@ impl ConsumerContext for Context {
                     acked.remove(p);
                     lock(&shared.at_end).remove(&p.partition);
                 }
+                drop((assigned, acked));
+                let mut revoking = lock(&shared.revoking);
+                for p in &partitions {
+                    revoking.remove(p);
+                }
             }
             Rebalance::Assign(list) => {
                 let partitions = partitions_of(list);
                 tracing::info!(?partitions, "kafka: partitions assigned");
+                let mut acked = lock(&shared.acked);
+                for p in &partitions {
+                    // Whatever was acknowledged before an earlier revocation is stale now.
+                    acked.remove(p);
+                }
+                drop(acked);
                 lock(&shared.assigned).extend(partitions);
             }
             Rebalance::Error(error) => tracing::warn!(%error, "kafka: rebalance error"),
@@ -178,6 +199,7 @@ impl KafkaSource {
             stop_at_end: config.stop_at_end,
             drain_timeout: config.drain_timeout,
             assigned: Mutex::new(HashSet::new()),
+            revoking: Mutex::new(HashSet::new()),
             acked: Mutex::new(HashMap::new()),
             at_end: Mutex::new(HashSet::new()),
             observer,
@@ -207,6 +229,12 @@ impl KafkaSource {
                 .map_err(|e| Error::Config(format!("cannot start the kafka polling thread: {e}")))?
         };
         Ok(KafkaSource { consumer, shared, rx: tokio::sync::Mutex::new(rx), poller: Some(poller) })
+    }
+
+    fn revoking(&self, message: &Message) -> bool {
+        let revoking = lock(&self.shared.revoking);
+        !revoking.is_empty()
+            && revoking.contains(&Partition { topic: message.topic.clone(), partition: message.partition })
     }
 
     /// The partitions assigned to this consumer now.
@@ -273,9 +301,12 @@ fn owned(message: &BorrowedMessage<'_>) -> Message {
 impl Source for KafkaSource {
     async fn recv(&self) -> Result<Option<Received>, SourceError> {
         let mut rx = self.rx.lock().await;
-        match rx.recv().await {
-            Some(delivery) => delivery,
-            None => Ok(None),
+        loop {
+            match rx.recv().await {
+                Some(Ok(Some(Received::Message(message)))) if self.revoking(&message) => continue,
+                Some(delivery) => return delivery,
+                None => return Ok(None),
+            }
         }
     }
 

@@ -42,6 +42,10 @@ pub trait Backend: sqlx::Database + Sized {
         events: &[&Event],
     ) -> impl Future<Output = Result<Vec<Claim>, sqlx::Error>> + Send;
 
+    /// Whether the open transaction can still commit what it holds: `Ok(false)` when the handler ended it
+    /// itself, an error when it is aborted (PostgreSQL then turns `COMMIT` into a silent `ROLLBACK`).
+    fn transaction_intact(conn: &mut Self::Connection) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
     /// Records a dead letter in the open transaction; a second failure of the same event updates its row.
     fn dead_letter(
         conn: &mut Self::Connection,
@@ -50,8 +54,12 @@ pub trait Backend: sqlx::Database + Sized {
         letter: &NewDeadLetter<'_>,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
-    /// Marker and dead-letter figures per consumer group.
-    fn stats(pool: &sqlx::Pool<Self>, tables: &Tables) -> impl Future<Output = Result<Vec<GroupStats>, Error>> + Send;
+    /// Marker and dead-letter figures per consumer group (of `group` only, when given).
+    fn stats(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        group: Option<&str>,
+    ) -> impl Future<Output = Result<Vec<GroupStats>, Error>> + Send;
 
     /// Dead letters, oldest first, optionally of one group only.
     fn dead_letters(
@@ -304,8 +312,12 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
 }
 
 /// Marker and dead-letter figures per consumer group (`idem stats`).
-pub async fn stats<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables) -> Result<Vec<GroupStats>, Error> {
-    DB::stats(pool, tables).await
+pub async fn stats<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    group: Option<&str>,
+) -> Result<Vec<GroupStats>, Error> {
+    DB::stats(pool, tables, group).await
 }
 
 #[cfg(test)]

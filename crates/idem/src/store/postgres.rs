@@ -119,6 +119,13 @@ impl Backend for Postgres {
             .collect())
     }
 
+    async fn transaction_intact(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+        // Fails with 25P02 in an aborted transaction; NULL when no transaction holds our claim any more.
+        let xid: Option<String> =
+            sqlx::query_scalar("SELECT pg_current_xact_id_if_assigned()::text").fetch_one(conn).await?;
+        Ok(xid.is_some())
+    }
+
     async fn dead_letter(
         conn: &mut PgConnection,
         tables: &Tables,
@@ -150,23 +157,23 @@ impl Backend for Postgres {
             .bind(m.key.as_deref())
             .bind(&m.payload)
             .bind(encode_headers(&m.headers))
-            .bind(letter.error)
+            .bind(letter.error.replace('\0', "\\0"))
             .bind(letter.attempts)
             .execute(conn)
             .await?;
         Ok(())
     }
 
-    async fn stats(pool: &sqlx::PgPool, tables: &Tables) -> Result<Vec<GroupStats>, Error> {
+    async fn stats(pool: &sqlx::PgPool, tables: &Tables, group: Option<&str>) -> Result<Vec<GroupStats>, Error> {
         let sql = tables.render(
             r#"WITH m AS (SELECT consumer_group, count(*) AS markers,
                                  EXTRACT(EPOCH FROM now() - min(processed_at))::float8 AS oldest
-                            FROM {t}processed_events GROUP BY consumer_group),
-                    d AS (SELECT consumer_group, count(*) AS dead FROM {t}dead_letters GROUP BY consumer_group)
+                            FROM {t}processed_events WHERE $1::text IS NULL OR consumer_group = $1 GROUP BY consumer_group),
+                    d AS (SELECT consumer_group, count(*) AS dead FROM {t}dead_letters WHERE $1::text IS NULL OR consumer_group = $1 GROUP BY consumer_group)
                SELECT coalesce(m.consumer_group, d.consumer_group), coalesce(m.markers, 0), m.oldest, coalesce(d.dead, 0)
                  FROM m FULL JOIN d ON m.consumer_group = d.consumer_group ORDER BY 1"#,
         );
-        let rows: Vec<(String, i64, Option<f64>, i64)> = sqlx::query_as(&sql).fetch_all(pool).await?;
+        let rows: Vec<(String, i64, Option<f64>, i64)> = sqlx::query_as(&sql).bind(group).fetch_all(pool).await?;
         Ok(rows
             .into_iter()
             .map(|(consumer_group, markers, oldest_marker_age_seconds, dead_letters)| GroupStats {

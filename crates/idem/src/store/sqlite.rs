@@ -99,6 +99,12 @@ impl Backend for Sqlite {
         Ok(claims)
     }
 
+    async fn transaction_intact(_conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
+        // SQLite has no aborted-transaction state: a failed statement is undone alone, and COMMIT outside a
+        // transaction fails loudly.
+        Ok(true)
+    }
+
     async fn dead_letter(
         conn: &mut SqliteConnection,
         tables: &Tables,
@@ -130,25 +136,25 @@ impl Backend for Sqlite {
             .bind(m.key.as_deref())
             .bind(&m.payload)
             .bind(encode_headers(&m.headers))
-            .bind(letter.error)
+            .bind(letter.error.replace('\0', "\\0"))
             .bind(letter.attempts)
             .execute(conn)
             .await?;
         Ok(())
     }
 
-    async fn stats(pool: &sqlx::SqlitePool, tables: &Tables) -> Result<Vec<GroupStats>, Error> {
+    async fn stats(pool: &sqlx::SqlitePool, tables: &Tables, group: Option<&str>) -> Result<Vec<GroupStats>, Error> {
         let sql = tables.render(
             r#"WITH m AS (SELECT consumer_group, count(*) AS markers,
                                  (CAST(unixepoch('subsec') * 1000 AS INTEGER) - min(processed_at)) / 1000.0 AS oldest
-                            FROM {t}processed_events GROUP BY consumer_group),
-                    d AS (SELECT consumer_group, count(*) AS dead FROM {t}dead_letters GROUP BY consumer_group),
+                            FROM {t}processed_events WHERE $1 IS NULL OR consumer_group = $1 GROUP BY consumer_group),
+                    d AS (SELECT consumer_group, count(*) AS dead FROM {t}dead_letters WHERE $1 IS NULL OR consumer_group = $1 GROUP BY consumer_group),
                     g AS (SELECT consumer_group FROM m UNION SELECT consumer_group FROM d)
                SELECT g.consumer_group, coalesce(m.markers, 0), m.oldest, coalesce(d.dead, 0)
                  FROM g LEFT JOIN m ON m.consumer_group = g.consumer_group
                         LEFT JOIN d ON d.consumer_group = g.consumer_group ORDER BY 1"#,
         );
-        let rows: Vec<(String, i64, Option<f64>, i64)> = sqlx::query_as(&sql).fetch_all(pool).await?;
+        let rows: Vec<(String, i64, Option<f64>, i64)> = sqlx::query_as(&sql).bind(group).fetch_all(pool).await?;
         Ok(rows
             .into_iter()
             .map(|(consumer_group, markers, oldest_marker_age_seconds, dead_letters)| GroupStats {
