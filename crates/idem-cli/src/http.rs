@@ -34,9 +34,8 @@ pub async fn serve<DB: Backend>(
             let Ok((mut stream, _)) = listener.accept().await else { continue };
             let (metrics, engine) = (metrics.clone(), engine.clone());
             tokio::spawn(async move {
-                let mut request = [0u8; 1024];
-                let n = stream.read(&mut request).await.unwrap_or(0);
-                let line = String::from_utf8_lossy(&request[..n]);
+                let Some(request) = read_request_head(&mut stream).await else { return };
+                let line = String::from_utf8_lossy(&request);
                 let path = line.split_whitespace().nth(1).unwrap_or("/");
                 let (status, body) = match path {
                     "/metrics" => ("200 OK", metrics.render()),
@@ -53,6 +52,21 @@ pub async fn serve<DB: Backend>(
         }
     });
     Ok(bound)
+}
+
+/// Reads until the end of the request head (a request may arrive in several segments); gives up on a head
+/// over 8 KiB, a closed connection or 5 s of silence.
+async fn read_request_head(stream: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
+    let mut head = Vec::with_capacity(256);
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout(std::time::Duration::from_secs(5), stream.read(&mut buf)).await.ok()?.ok()?;
+        if n == 0 || head.len() + n > 8192 {
+            return None;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    Some(head)
 }
 
 async fn readiness<DB: Backend>(engine: &Engine<DB>) -> (&'static str, String) {
