@@ -143,21 +143,41 @@ async fn replay_through<P: Publisher>(
     Ok(replayed)
 }
 
-/// `idem prune`.
-pub async fn prune(
-    args: &DbArgs,
-    retention: &str,
-    group: Option<&str>,
-    pruning: &idem::Pruning,
-    dry_run: bool,
-    json: bool,
-) -> anyhow::Result<ExitCode> {
+/// The options of `idem prune`.
+pub struct PruneOptions<'a> {
+    /// Only this group's markers (plain layout only).
+    pub group: Option<&'a str>,
+    /// Batch size and pause.
+    pub pruning: idem::Pruning,
+    /// Count, delete nothing.
+    pub dry_run: bool,
+    /// JSON output.
+    pub json: bool,
+    /// Partitions to create ahead (partitioned layout).
+    pub create_ahead: u32,
+}
+
+/// `idem prune`: batched deletes on the plain layout; whole partitions dropped (and new ones created ahead) on
+/// the partitioned one.
+pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -> anyhow::Result<ExitCode> {
+    let PruneOptions { group, ref pruning, dry_run, json, create_ahead } = *options;
     let retention = idem::prune::parse_duration(retention)?;
     if pruning.batch_size == 0 {
         anyhow::bail!("--batch-size 0: use at least 1 (default 10000)");
     }
     let tables = db::tables(args)?;
     let db = Db::open(&args.database_url, 1).await?;
+    if let Db::Postgres(pool) = &db
+        && let Some(period) = idem::store::partitions::stored_period(pool, &tables).await?
+    {
+        if group.is_some() {
+            bail!(
+                "--group: the partitioned marker table holds every group's markers in each partition, so one \
+                 group's cannot be pruned alone; prune without --group, or give each group its own --table-prefix"
+            );
+        }
+        return prune_partitions(pool, &tables, period, retention, create_ahead.max(1), dry_run, json).await;
+    }
     let expired = with_pool!(&db, pool => idem::prune::count_expired(pool, &tables, group, retention).await?);
     if dry_run {
         if json {
@@ -196,5 +216,83 @@ pub async fn prune(
             report.longest_statement.as_secs_f64() * 1000.0
         );
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn prune_partitions(
+    pool: &sqlx::PgPool,
+    tables: &Tables,
+    period: idem::PartitionPeriod,
+    retention: std::time::Duration,
+    create_ahead: u32,
+    dry_run: bool,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
+    use idem::store::partitions;
+    if dry_run {
+        let expired = partitions::expired(pool, tables, retention).await?;
+        if json {
+            println!("{}", serde_json::json!({ "dry_run": true, "would_drop": expired }));
+        } else if expired.is_empty() {
+            println!("no partition is wholly older than {retention:?}");
+        } else {
+            for p in &expired {
+                println!("would drop {} ({} marker(s))", p.name, p.markers);
+            }
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let partitioning = idem::Partitioning {
+        period,
+        // Not used by maintenance; any valid window.
+        redelivery_window: std::time::Duration::from_secs(1),
+        create_ahead,
+    };
+    let report = partitions::maintain(pool, tables, &partitioning, Some(retention)).await?;
+    if json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "created {} partition(s); dropped {} partition(s) holding {} marker(s){}",
+            report.created.len(),
+            report.dropped.len(),
+            report.markers_dropped,
+            if report.dropped.is_empty() { String::new() } else { format!(": {}", report.dropped.join(", ")) }
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `idem markers layout`.
+pub async fn markers_layout(args: &DbArgs) -> anyhow::Result<ExitCode> {
+    let tables = db::tables(args)?;
+    let db = Db::open(&args.database_url, 1).await?;
+    let Db::Postgres(pool) = &db else {
+        println!("plain (SQLite has only the plain layout)");
+        return Ok(ExitCode::SUCCESS);
+    };
+    match idem::store::partitions::stored_period(pool, &tables).await? {
+        None => println!("plain: {}", tables.table("processed_events")),
+        Some(period) => {
+            println!("partitioned by {}: {}", period.as_str(), tables.table("processed_events"));
+            for (name, bound, markers) in idem::store::partitions::list(pool, &tables).await? {
+                println!("  {name}  {bound}  {markers} marker(s)");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `idem markers convert`.
+pub async fn markers_convert(args: &DbArgs, period: Option<&str>, create_ahead: u32) -> anyhow::Result<ExitCode> {
+    let tables = db::tables(args)?;
+    let db = Db::open(&args.database_url, 1).await?;
+    let Db::Postgres(pool) = &db else {
+        bail!("--database-url: partitioned markers need PostgreSQL; SQLite keeps the plain layout");
+    };
+    let target = period.map(idem::PartitionPeriod::parse).transpose()?;
+    let copied = idem::store::partitions::convert(pool, &tables, target, create_ahead.max(1)).await?;
+    let layout = target.map_or("plain".to_owned(), |p| format!("partitioned by {}", p.as_str()));
+    println!("{} is {layout}; {copied} marker(s) copied", tables.table("processed_events"));
     Ok(ExitCode::SUCCESS)
 }

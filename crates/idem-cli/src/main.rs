@@ -92,6 +92,35 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// Partitioned layout: partitions to create ahead of the current one.
+        #[arg(long, default_value_t = 7)]
+        create_ahead: u32,
+    },
+    /// The marker table's layout: show it, or convert between plain and partitioned (PostgreSQL).
+    #[command(subcommand)]
+    Markers(MarkersCommand),
+}
+
+#[derive(Subcommand)]
+enum MarkersCommand {
+    /// Show the layout and, when partitioned, the partitions with their marker counts.
+    Layout {
+        #[command(flatten)]
+        db: DbArgs,
+    },
+    /// Convert the marker table, keeping every marker, in one transaction. Stop the consumers first.
+    Convert {
+        #[command(flatten)]
+        db: DbArgs,
+        /// `partitioned` (range partitions by --period, dropped whole by pruning) or `plain`.
+        #[arg(long, value_parser = ["partitioned", "plain"])]
+        to: String,
+        /// Partition span: `day` or `month` (with --to partitioned).
+        #[arg(long, default_value = "day", value_parser = ["day", "month"])]
+        period: String,
+        /// Partitions to create ahead of the current one.
+        #[arg(long, default_value_t = 7)]
+        create_ahead: u32,
     },
 }
 
@@ -161,13 +190,19 @@ fn main() -> ExitCode {
             Command::DemoWorker(args) => demo::worker(args).await,
             Command::DemoPrepare { database_url } => demo::prepare_only(&database_url).await,
             Command::Stats { db, json } => commands::stats(&db, json).await,
-            Command::Prune { db, retention, group, batch_size, pause_ms, dry_run, json } => {
+            Command::Prune { db, retention, group, batch_size, pause_ms, dry_run, json, create_ahead } => {
                 let pruning = idem::Pruning {
                     batch_size,
                     pause: std::time::Duration::from_millis(pause_ms),
                     ..idem::Pruning::default()
                 };
-                commands::prune(&db, &retention, group.as_deref(), &pruning, dry_run, json).await
+                let options = commands::PruneOptions { group: group.as_deref(), pruning, dry_run, json, create_ahead };
+                commands::prune(&db, &retention, &options).await
+            }
+            Command::Markers(MarkersCommand::Layout { db }) => commands::markers_layout(&db).await,
+            Command::Markers(MarkersCommand::Convert { db, to, period, create_ahead }) => {
+                let period = (to == "partitioned").then_some(period);
+                commands::markers_convert(&db, period.as_deref(), create_ahead).await
             }
             Command::DeadLetters(DeadLetterCommand::List { db, group, limit, json }) => {
                 commands::list_dead_letters(&db, group.as_deref(), limit, json).await

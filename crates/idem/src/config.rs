@@ -33,6 +33,70 @@ pub struct Config {
     /// How often the consumer refreshes the marker gauges (`processed_events_row_count`,
     /// `processed_events_oldest_age_seconds`, `dead_letters_stored`) with a count. Default 60 s.
     pub stats_interval: Duration,
+    /// How the marker table is laid out: one plain table (the default) or day/month partitions (PostgreSQL).
+    pub layout: MarkerLayout,
+}
+
+/// The layout of the marker table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MarkerLayout {
+    /// One table with the primary key `(consumer_group, event_id)`: a duplicate is caught however late it comes.
+    #[default]
+    Plain,
+    /// Range partitions by day or month (PostgreSQL only), dropped whole when they pass the retention
+    /// (document 000, step 4). See [`Partitioning`] for what it costs.
+    Partitioned(Partitioning),
+}
+
+/// The partitioned marker layout. The primary key becomes `(consumer_group, event_id, processed_on)`, so
+/// a partition alone catches duplicates only within itself; the claim also looks into the partition before
+/// for markers younger than `redelivery_window`. A redelivery later than the window after the first delivery
+/// is not caught: use this layout only when the broker cannot redeliver later than that (a consumer reset to
+/// the earliest offset can: the plain layout catches such replays, this one does not).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Partitioning {
+    /// One partition per UTC day or month.
+    pub period: PartitionPeriod,
+    /// The longest time between two deliveries of one event. Must be shorter than one partition.
+    pub redelivery_window: Duration,
+    /// Partitions created ahead of the current one, by the consumer and by `idem prune`. Default 7.
+    pub create_ahead: u32,
+}
+
+/// The span of one marker partition, in UTC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartitionPeriod {
+    /// One partition per day.
+    Day,
+    /// One partition per calendar month.
+    Month,
+}
+
+impl PartitionPeriod {
+    /// `day` or `month`: the unit PostgreSQL's `date_trunc` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PartitionPeriod::Day => "day",
+            PartitionPeriod::Month => "month",
+        }
+    }
+
+    /// The shortest partition of this period (a day; February's 28 days).
+    pub fn shortest(self) -> Duration {
+        match self {
+            PartitionPeriod::Day => Duration::from_secs(86_400),
+            PartitionPeriod::Month => Duration::from_secs(28 * 86_400),
+        }
+    }
+
+    /// Parses `day` or `month`.
+    pub fn parse(text: &str) -> Result<Self, Error> {
+        match text {
+            "day" => Ok(PartitionPeriod::Day),
+            "month" => Ok(PartitionPeriod::Month),
+            other => Err(Error::Config(format!("partition period `{other}`: use `day` or `month`"))),
+        }
+    }
 }
 
 /// The handling of a producer's reused event id (document 000, failure row 5): the marker keeps a digest of the
@@ -86,7 +150,16 @@ impl Config {
             pruning: Pruning::default(),
             stats_interval: Duration::from_secs(60),
             id_reuse: IdReusePolicy::Skip,
+            layout: MarkerLayout::Plain,
         }
+    }
+
+    /// Uses the partitioned marker layout (PostgreSQL): one partition per `period`, duplicates caught across a
+    /// partition boundary up to `redelivery_window` (see [`Partitioning`]). The table is converted with
+    /// `idem markers convert --to partitioned`.
+    pub fn partitioned(mut self, period: PartitionPeriod, redelivery_window: Duration) -> Self {
+        self.layout = MarkerLayout::Partitioned(Partitioning { period, redelivery_window, create_ahead: 7 });
+        self
     }
 
     /// Keeps markers for `retention`, pruning older ones in the background (see [`Pruning`]).
@@ -164,6 +237,9 @@ impl Config {
         if self.pruning.interval.is_zero() {
             return Err(Error::Config("pruning.interval is zero: use e.g. 5 minutes".into()));
         }
+        if let MarkerLayout::Partitioned(p) = self.layout {
+            p.validate()?;
+        }
         Ok(())
     }
 
@@ -171,6 +247,28 @@ impl Config {
     pub(crate) fn backoff_for(&self, attempt: u32) -> Duration {
         let factor = 1u32.checked_shl(attempt.saturating_sub(1).min(20)).unwrap_or(u32::MAX);
         self.backoff_initial.saturating_mul(factor).min(self.backoff_max)
+    }
+}
+
+impl Partitioning {
+    /// Refuses a window that is not shorter than one partition, and a partition count out of range.
+    pub fn validate(&self) -> Result<(), Error> {
+        let period = self.period.as_str();
+        if self.redelivery_window.is_zero() || self.redelivery_window >= self.period.shortest() {
+            return Err(Error::Config(format!(
+                "layout: redelivery_window {}s is not shorter than one {period} partition ({}s): a redelivery across \
+                 more than one partition boundary would not be caught. Use month partitions, or the plain layout",
+                self.redelivery_window.as_secs(),
+                self.period.shortest().as_secs()
+            )));
+        }
+        if self.create_ahead == 0 || self.create_ahead > 366 {
+            return Err(Error::Config(format!(
+                "layout: create_ahead = {} is out of range: use 1 to 366 partitions (default 7)",
+                self.create_ahead
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -194,6 +292,17 @@ mod tests {
         assert!(Config::new(" ", KeyExtractor::BrokerId).validate().unwrap_err().to_string().contains("group"));
         let err = config().backoff(Duration::from_secs(9), Duration::from_secs(1)).validate().unwrap_err();
         assert!(err.to_string().contains("backoff"));
+    }
+
+    #[test]
+    fn partitions_must_be_longer_than_the_redelivery_window() {
+        let hour = Duration::from_secs(3_600);
+        config().partitioned(PartitionPeriod::Day, hour).validate().unwrap();
+        let err = config().partitioned(PartitionPeriod::Day, 24 * hour).validate().unwrap_err().to_string();
+        assert!(err.contains("redelivery_window") && err.contains("day"), "{err}");
+        config().partitioned(PartitionPeriod::Month, 24 * hour).validate().unwrap();
+        assert!(config().partitioned(PartitionPeriod::Month, 28 * 24 * hour).validate().is_err());
+        assert!(config().partitioned(PartitionPeriod::Day, Duration::ZERO).validate().is_err());
     }
 
     #[test]

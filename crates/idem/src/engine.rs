@@ -163,6 +163,8 @@ struct Inner<DB: Backend> {
     partitions: AtomicU64,
     faults: Faults,
     on_commit: Option<CommitObserver>,
+    /// Set once the marker table's layout was checked against the configuration.
+    layout_ready: tokio::sync::OnceCell<()>,
 }
 
 /// An unsequenced unit of work: a message with its key, or a message that has none.
@@ -272,6 +274,7 @@ impl<DB: Backend> Engine<DB> {
                 partitions: AtomicU64::new(0),
                 faults,
                 on_commit: None,
+                layout_ready: tokio::sync::OnceCell::new(),
             }),
         })
     }
@@ -337,6 +340,7 @@ impl<DB: Backend> Engine<DB> {
     /// Handles `messages` (of one partition, in order) as one batch with a per-message handler, without a
     /// source: for custom loops and tests. Returns each message's outcome; nothing is acknowledged.
     pub async fn process<H: Handler<DB>>(&self, messages: Vec<Message>, handler: &H) -> Result<Vec<Outcome>, Error> {
+        self.prepare_layout().await?;
         let items = self.items(messages);
         self.process_items(&items, &PerMessageRef(handler), &AtomicBool::new(false)).await
     }
@@ -347,6 +351,7 @@ impl<DB: Backend> Engine<DB> {
         messages: Vec<Message>,
         handler: &B,
     ) -> Result<Vec<Outcome>, Error> {
+        self.prepare_layout().await?;
         let items = self.items(messages);
         self.process_items(&items, &PerBatchRef(handler), &AtomicBool::new(false)).await
     }
@@ -357,6 +362,7 @@ impl<DB: Backend> Engine<DB> {
         apply: Arc<A>,
         shutdown: impl Future + Send,
     ) -> Result<StatsSnapshot, Error> {
+        self.prepare_layout().await?;
         let source = Arc::new(source);
         let _housekeeping = AbortOnDrop(tokio::spawn(self.clone().housekeeping()));
         self.inner.draining.store(false, Ordering::SeqCst);
@@ -683,7 +689,9 @@ impl<DB: Backend> Engine<DB> {
         let mut fresh_at: Vec<usize> = Vec::with_capacity(claimed.len());
         if !claimed.is_empty() {
             let events: Vec<&Event> = claimed.iter().map(|(_, e)| *e).collect();
-            let claims = DB::claim(&mut tx, &config.tables, &config.group, &events).await.map_err(Failure::Database)?;
+            let claims = DB::claim(&mut tx, &config.tables, &config.layout, &config.group, &events)
+                .await
+                .map_err(Failure::Database)?;
             for ((index, event), claim) in claimed.iter().zip(claims) {
                 match claim {
                     Claim::New => {
@@ -815,7 +823,7 @@ impl<DB: Backend> Engine<DB> {
         let mut conn = inner.pool.acquire().await?;
         let mut tx = conn.begin().await?;
         if let Item::Keyed(event) = item {
-            let claims = DB::claim(&mut tx, &config.tables, &config.group, &[event]).await?;
+            let claims = DB::claim(&mut tx, &config.tables, &config.layout, &config.group, &[event]).await?;
             if claims.first() != Some(&Claim::New) {
                 // Another consumer handled it in the meantime: nothing to dead-letter.
                 tx.rollback().await?;
@@ -947,7 +955,9 @@ impl<DB: Backend> Engine<DB> {
         loop {
             tokio::select! {
                 _ = stats.tick() => self.publish_marker_gauges().await,
-                _ = prune.tick(), if config.pruning.retention.is_some() => self.prune_once().await,
+                _ = prune.tick(), if config.pruning.retention.is_some() || self.partitioned().is_some() => {
+                    self.prune_once().await
+                }
             }
         }
     }
@@ -969,7 +979,27 @@ impl<DB: Backend> Engine<DB> {
         }
     }
 
+    fn partitioned(&self) -> Option<&crate::config::Partitioning> {
+        match &self.inner.config.layout {
+            crate::config::MarkerLayout::Partitioned(p) => Some(p),
+            crate::config::MarkerLayout::Plain => None,
+        }
+    }
+
+    /// Checks the marker table's layout against the configuration (and creates partitions ahead), once.
+    async fn prepare_layout(&self) -> Result<(), Error> {
+        let inner = &self.inner;
+        inner
+            .layout_ready
+            .get_or_try_init(|| DB::prepare_layout(&inner.pool, &inner.config.tables, &inner.config.layout))
+            .await?;
+        Ok(())
+    }
+
     async fn prune_once(&self) {
+        if let Some(partitioning) = self.partitioned() {
+            return self.maintain_partitions(partitioning).await;
+        }
         let config = &self.inner.config;
         let Some(retention) = config.pruning.retention else { return };
         let group = config.group.clone();
@@ -992,6 +1022,25 @@ impl<DB: Backend> Engine<DB> {
                     longest_ms = report.longest_statement.as_millis() as u64, "markers pruned");
             }
             Err(error) => tracing::warn!(%error, "pruning markers failed; trying again at the next interval"),
+        }
+    }
+
+    async fn maintain_partitions(&self, partitioning: &crate::config::Partitioning) {
+        let config = &self.inner.config;
+        let report =
+            DB::maintain_partitions(&self.inner.pool, &config.tables, partitioning, config.pruning.retention).await;
+        match report {
+            Ok(report) => {
+                metrics::counter!("processed_events_pruned_total", "consumer_group" => config.group.clone())
+                    .increment(report.markers_dropped);
+                if !report.created.is_empty() || !report.dropped.is_empty() {
+                    tracing::info!(consumer_group = %config.group, created = ?report.created, dropped = ?report.dropped,
+                        markers_dropped = report.markers_dropped, "marker partitions maintained");
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, "maintaining marker partitions failed; trying again at the next interval")
+            }
         }
     }
 }

@@ -67,7 +67,7 @@ pub mod prune;
 pub mod source;
 pub mod store;
 
-pub use config::{Config, IdReusePolicy, Pruning};
+pub use config::{Config, IdReusePolicy, MarkerLayout, PartitionPeriod, Partitioning, Pruning};
 pub use engine::{Committed, Engine, Health, Outcome, StatsSnapshot};
 pub use error::{Error, HandlerError, Retry};
 pub use handler::{BatchHandler, Handler};

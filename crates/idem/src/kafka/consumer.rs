@@ -30,6 +30,7 @@ type Delivery = Result<Option<Received>, SourceError>;
 pub type AssignmentObserver = Arc<dyn Fn(&[Partition]) + Send + Sync>;
 
 struct Shared {
+    group: String,
     tx: mpsc::Sender<Delivery>,
     stop: AtomicBool,
     closing: AtomicBool,
@@ -44,7 +45,24 @@ struct Shared {
 
 struct Context(Arc<Shared>);
 
-impl ClientContext for Context {}
+impl ClientContext for Context {
+    /// librdkafka's statistics (every `statistics.interval.ms`, 10 s unless set): the lag of every partition
+    /// this consumer owns, in messages between the partition's end and the committed offset.
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        let assigned = lock(&self.0.assigned);
+        for (topic, stats) in &statistics.topics {
+            for (&partition, p) in &stats.partitions {
+                let owned = assigned.contains(&Partition { topic: topic.clone(), partition });
+                if partition < 0 || !owned || p.consumer_lag < 0 {
+                    continue;
+                }
+                metrics::gauge!("consumer_lag_messages", "consumer_group" => self.0.group.clone(),
+                    "topic" => topic.clone(), "partition" => partition.to_string())
+                .set(p.consumer_lag as f64);
+            }
+        }
+    }
+}
 
 impl ConsumerContext for Context {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -193,6 +211,7 @@ impl KafkaSource {
 
         let (tx, rx) = mpsc::channel(1024);
         let shared = Arc::new(Shared {
+            group: engine.group.clone(),
             tx,
             stop: AtomicBool::new(false),
             closing: AtomicBool::new(false),
@@ -209,7 +228,8 @@ impl KafkaSource {
             .set("bootstrap.servers", &config.brokers)
             .set("group.id", &engine.group)
             .set("auto.offset.reset", "earliest")
-            .set("enable.partition.eof", if config.stop_at_end { "true" } else { "false" });
+            .set("enable.partition.eof", if config.stop_at_end { "true" } else { "false" })
+            .set("statistics.interval.ms", "10000");
         for (key, value) in &config.settings {
             client.set(key, value);
         }

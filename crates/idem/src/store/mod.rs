@@ -6,6 +6,7 @@
 //! schema-qualified) table prefix and `{p}` for the bare prefix used in index names.
 
 mod migrate;
+pub mod partitions;
 pub mod postgres;
 pub mod sqlite;
 
@@ -13,6 +14,7 @@ use std::future::Future;
 
 pub use migrate::{Migration, MigrationReport};
 
+use crate::config::{MarkerLayout, Partitioning};
 use crate::error::Error;
 use crate::message::{Event, Message};
 
@@ -34,13 +36,32 @@ pub trait Backend: sqlx::Database + Sized {
     /// Inserts the markers of `events` (with a digest of each payload) in the open transaction, first statement
     /// of the batch, and returns for each event whether its marker is new (handle it), already there with the
     /// same payload (a duplicate), or already there with another payload (a reused id). A marker held by a
-    /// concurrent, uncommitted transaction makes this wait for that transaction's outcome.
+    /// concurrent, uncommitted transaction makes this wait for that transaction's outcome. In the partitioned
+    /// layout, markers in the partition before that are younger than the redelivery window count as well.
     fn claim(
         conn: &mut Self::Connection,
         tables: &Tables,
+        layout: &MarkerLayout,
         group: &str,
         events: &[&Event],
     ) -> impl Future<Output = Result<Vec<Claim>, sqlx::Error>> + Send;
+
+    /// Refuses to consume when the marker table's layout in the database is not the configured one; in the
+    /// partitioned layout, also creates the partitions of the current period and those ahead.
+    fn prepare_layout(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        layout: &MarkerLayout,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// One maintenance pass of the partitioned layout: partitions created ahead, those past `retention`
+    /// dropped whole. PostgreSQL only.
+    fn maintain_partitions(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        partitioning: &Partitioning,
+        retention: Option<std::time::Duration>,
+    ) -> impl Future<Output = Result<partitions::PartitionReport, Error>> + Send;
 
     /// Whether the open transaction can still commit what it holds: `Ok(false)` when the handler ended it
     /// itself, an error when it is aborted (PostgreSQL then turns `COMMIT` into a silent `ROLLBACK`).
@@ -158,7 +179,12 @@ impl Tables {
         Ok(Tables { schema: schema.map(str::to_owned), prefix: prefix.to_owned() })
     }
 
-    /// The schema, if one was configured.
+    /// The table prefix (possibly empty).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The schema, if any.
     pub fn schema(&self) -> Option<&str> {
         self.schema.as_deref()
     }

@@ -6,10 +6,12 @@ use std::collections::HashSet;
 use sqlx::{Connection, PgConnection, Postgres, Row};
 
 use super::migrate::{lock_key, pending, split_statements};
+use super::partitions::{self, PartitionReport};
 use super::{
     Backend, Claim, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Tables, decode_headers,
     encode_headers, judge_existing, payload_digest,
 };
+use crate::config::{MarkerLayout, Partitioning};
 use crate::error::Error;
 use crate::message::Event;
 
@@ -62,32 +64,71 @@ impl Backend for Postgres {
         Ok(MigrationReport { applied: todo.iter().map(|m| m.version).collect(), version: MIGRATIONS.len() as i32 })
     }
 
+    async fn prepare_layout(pool: &sqlx::PgPool, tables: &Tables, layout: &MarkerLayout) -> Result<(), Error> {
+        partitions::check_layout(pool, tables, layout).await?;
+        if let MarkerLayout::Partitioned(p) = layout {
+            partitions::create_ahead(pool, tables, p.period, p.create_ahead).await?;
+        }
+        Ok(())
+    }
+
+    async fn maintain_partitions(
+        pool: &sqlx::PgPool,
+        tables: &Tables,
+        partitioning: &Partitioning,
+        retention: Option<std::time::Duration>,
+    ) -> Result<PartitionReport, Error> {
+        partitions::maintain(pool, tables, partitioning, retention).await
+    }
+
     async fn claim(
         conn: &mut PgConnection,
         tables: &Tables,
+        layout: &MarkerLayout,
         group: &str,
         events: &[&Event],
     ) -> Result<Vec<Claim>, sqlx::Error> {
-        let sql = tables.render(
-            r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset", payload_digest)
-               SELECT $1, * FROM UNNEST($2::text[], $3::text[], $4::int[], $5::bigint[], $6::bytea[])
-               ON CONFLICT (consumer_group, event_id) DO NOTHING
-               RETURNING event_id"#,
-        );
         let ids: Vec<&str> = events.iter().map(|e| e.id.as_str()).collect();
+        let partitioning = match layout {
+            MarkerLayout::Plain => None,
+            MarkerLayout::Partitioned(p) => Some((p.period.as_str(), p.redelivery_window.as_secs_f64())),
+        };
+        let sql = match partitioning {
+            None => tables.render(
+                r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset", payload_digest)
+                   SELECT $1, * FROM UNNEST($2::text[], $3::text[], $4::int[], $5::bigint[], $6::bytea[])
+                   ON CONFLICT (consumer_group, event_id) DO NOTHING
+                   RETURNING event_id"#,
+            ),
+            Some((period, window)) => {
+                lock_near_boundary(&mut *conn, group, &ids, period, window).await?;
+                // The primary key catches duplicates within the current partition; the NOT EXISTS looks into the
+                // partition before (pruned to none when the window does not reach back over the boundary).
+                tables.render(
+                    r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset", payload_digest)
+                       SELECT $1, u.* FROM UNNEST($2::text[], $3::text[], $4::int[], $5::bigint[], $6::bytea[])
+                                          AS u(event_id, topic, partition, "offset", payload_digest)
+                        WHERE NOT EXISTS (
+                              SELECT 1 FROM {t}processed_events p
+                               WHERE p.consumer_group = $1 AND p.event_id = u.event_id
+                                 AND p.processed_on >= date_trunc($7, (now() - make_interval(secs => $8)) AT TIME ZONE 'UTC')::date
+                                 AND p.processed_on < date_trunc($7, now() AT TIME ZONE 'UTC')::date
+                                 AND p.processed_at > now() - make_interval(secs => $8))
+                       ON CONFLICT DO NOTHING
+                       RETURNING event_id"#,
+                )
+            }
+        };
         let topics: Vec<&str> = events.iter().map(|e| e.message.topic.as_str()).collect();
         let partitions: Vec<i32> = events.iter().map(|e| e.message.partition).collect();
         let offsets: Vec<i64> = events.iter().map(|e| e.message.offset).collect();
         let digests: Vec<Vec<u8>> = events.iter().map(|e| payload_digest(&e.message.payload)).collect();
-        let rows = sqlx::query(&sql)
-            .bind(group)
-            .bind(&ids)
-            .bind(&topics)
-            .bind(&partitions)
-            .bind(&offsets)
-            .bind(&digests)
-            .fetch_all(&mut *conn)
-            .await?;
+        let mut query =
+            sqlx::query(&sql).bind(group).bind(&ids).bind(&topics).bind(&partitions).bind(&offsets).bind(&digests);
+        if let Some((period, window)) = partitioning {
+            query = query.bind(period).bind(window);
+        }
+        let rows = query.fetch_all(&mut *conn).await?;
         let fresh: HashSet<String> = rows.iter().map(|r| r.try_get::<String, _>(0)).collect::<Result<_, _>>()?;
         if fresh.len() == events.len() {
             return Ok(vec![Claim::New; events.len()]);
@@ -262,6 +303,32 @@ impl Backend for Postgres {
             .await?;
         Ok(())
     }
+}
+
+/// Near a partition boundary (within the redelivery window of either side), two deliveries of one event could
+/// claim it in two partitions at once, neither seeing the other's uncommitted marker. A transaction-scoped
+/// advisory lock per event id, taken in a fixed order, makes the second wait for the first's outcome.
+async fn lock_near_boundary(
+    conn: &mut PgConnection,
+    group: &str,
+    ids: &[&str],
+    period: &str,
+    window: f64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        r#"SELECT pg_advisory_xact_lock(1768187245, k.h)
+             FROM (SELECT DISTINCT hashtext($1 || chr(31) || id) AS h FROM UNNEST($2::text[]) AS id ORDER BY 1) k
+            WHERE (now() AT TIME ZONE 'UTC') - date_trunc($3, now() AT TIME ZONE 'UTC') < make_interval(secs => $4)
+               OR date_trunc($3, now() AT TIME ZONE 'UTC') + ('1 ' || $3)::interval - (now() AT TIME ZONE 'UTC')
+                  < make_interval(secs => $4)"#,
+    )
+    .bind(group)
+    .bind(ids)
+    .bind(period)
+    .bind(window)
+    .execute(conn)
+    .await?;
+    Ok(())
 }
 
 fn dead_letter_from_row(row: &sqlx::postgres::PgRow) -> Result<DeadLetter, sqlx::Error> {

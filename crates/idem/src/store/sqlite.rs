@@ -4,10 +4,12 @@
 use sqlx::{Connection, Row, Sqlite, SqliteConnection};
 
 use super::migrate::{pending, split_statements};
+use super::partitions::PartitionReport;
 use super::{
     Backend, Claim, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Tables, decode_headers,
     encode_headers, judge_existing, payload_digest,
 };
+use crate::config::{MarkerLayout, Partitioning};
 use crate::error::Error;
 use crate::message::Event;
 
@@ -58,9 +60,26 @@ impl Backend for Sqlite {
         Ok(MigrationReport { applied: todo.iter().map(|m| m.version).collect(), version: MIGRATIONS.len() as i32 })
     }
 
+    async fn prepare_layout(_pool: &sqlx::SqlitePool, _tables: &Tables, layout: &MarkerLayout) -> Result<(), Error> {
+        match layout {
+            MarkerLayout::Plain => Ok(()),
+            MarkerLayout::Partitioned(_) => Err(partitions_unsupported()),
+        }
+    }
+
+    async fn maintain_partitions(
+        _pool: &sqlx::SqlitePool,
+        _tables: &Tables,
+        _partitioning: &Partitioning,
+        _retention: Option<std::time::Duration>,
+    ) -> Result<PartitionReport, Error> {
+        Err(partitions_unsupported())
+    }
+
     async fn claim(
         conn: &mut SqliteConnection,
         tables: &Tables,
+        _layout: &MarkerLayout,
         group: &str,
         events: &[&Event],
     ) -> Result<Vec<Claim>, sqlx::Error> {
@@ -279,4 +298,8 @@ pub async fn connect(url: &str) -> Result<sqlx::SqlitePool, Error> {
         .busy_timeout(std::time::Duration::from_secs(30))
         .foreign_keys(true);
     Ok(sqlx::sqlite::SqlitePoolOptions::new().max_connections(4).connect_with(options).await?)
+}
+
+fn partitions_unsupported() -> Error {
+    Error::Config("layout: partitioned markers need PostgreSQL; on SQLite use the plain layout (the default)".into())
 }

@@ -48,7 +48,9 @@ impl Drop for TestPg {
         let _ = std::thread::spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
             rt.block_on(async move {
-                pool.close().await;
+                // The pool's connections belong to the test's runtime, blocked in this drop: closing them from
+                // here could wait forever for a connection that runtime was about to return. FORCE ends them.
+                let _ = tokio::time::timeout(Duration::from_millis(200), pool.close()).await;
                 if let Ok(mut admin) = PgConnection::connect(&format!("{server}/postgres")).await {
                     let _ = sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
                         .execute(&mut admin)
