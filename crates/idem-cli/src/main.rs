@@ -162,6 +162,11 @@ enum DeadLetterCommand {
 }
 
 fn main() -> ExitCode {
+    // Output piped into `head` ends quietly, as other Unix tools do, instead of panicking on EPIPE.
+    // SAFETY: setting a signal disposition to its default before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let level = match cli.log.parse::<tracing::Level>() {
         Ok(level) => level,
