@@ -32,3 +32,14 @@ if [ -z "${IDEM_KAFKA_BROKERS:-}" ]; then
 fi
 cargo test --workspace --all-targets "$@"
 cargo test --workspace --doc
+# The benchmark's small version: every leg runs and every ledger total is right (speeds are not checked).
+# The Kafka leg is left to the Kafka tests above: the loopback broker delivers a few hundred messages a second.
+venv="${IDEM_BENCH_VENV:-$HOME/.cache/idem-tools/bench-venv}"
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import psycopg" 2>/dev/null; then
+  { python3 -m venv "$venv" && "$venv/bin/pip" install --quiet "psycopg[binary]>=3.1,<4"; } \
+    || echo "bench: psycopg 3 could not be installed; the reference leg is skipped" >&2
+fi
+python_arg=()
+if "$venv/bin/python" -c "import psycopg" 2>/dev/null; then python_arg=(--python "$venv/bin/python"); fi
+cargo run --quiet -p idem-cli -- bench --quick "${python_arg[@]}" \
+  --database-url "${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"

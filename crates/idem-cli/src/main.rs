@@ -1,6 +1,7 @@
 //! The `idem` command: a thin layer over the library. Each subcommand parses its arguments and calls one
 //! function of [`commands`] or [`demo`].
 
+mod bench;
 mod commands;
 mod db;
 mod demo;
@@ -96,6 +97,11 @@ enum Command {
         #[arg(long, default_value_t = 7)]
         create_ahead: u32,
     },
+    /// Benchmark idem against pgbench, the reference handler and the batched SQL limit (see bench/README.md).
+    Bench(bench::BenchArgs),
+    /// Hidden: the Kafka leg's consumer process.
+    #[command(hide = true)]
+    BenchConsume(bench::ConsumeArgs),
     /// The marker table's layout: show it, or convert between plain and partitioned (PostgreSQL).
     #[command(subcommand)]
     Markers(MarkersCommand),
@@ -204,6 +210,8 @@ fn main() -> ExitCode {
                 let options = commands::PruneOptions { group: group.as_deref(), pruning, dry_run, json, create_ahead };
                 commands::prune(&db, &retention, &options).await
             }
+            Command::Bench(args) => bench::run(args).await,
+            Command::BenchConsume(args) => bench::consume(args).await,
             Command::Markers(MarkersCommand::Layout { db }) => commands::markers_layout(&db).await,
             Command::Markers(MarkersCommand::Convert { db, to, period, create_ahead }) => {
                 let period = (to == "partitioned").then_some(period);

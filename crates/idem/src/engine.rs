@@ -479,7 +479,8 @@ impl<DB: Backend> Engine<DB> {
         fatal: mpsc::UnboundedSender<Error>,
     ) -> Worker {
         let batch_size = self.inner.config.batch_size;
-        let (queue, mut inbox) = mpsc::channel::<Message>(batch_size * 2);
+        // Room for a burst of one partition while the poller feeds the others (at least 256 messages).
+        let (queue, mut inbox) = mpsc::channel::<Message>((batch_size * 2).max(256));
         let stopping = Arc::new(AtomicBool::new(false));
         let engine = self.clone();
         let stop = Arc::clone(&stopping);

@@ -36,6 +36,19 @@ pub async fn create_topic(brokers: &str, topic: &str, partitions: i32, retention
     Ok(())
 }
 
+/// Deletes `topic` (benchmarks and tests clean up after themselves); a missing topic is not an error.
+pub async fn delete_topic(brokers: &str, topic: &str) -> Result<(), SourceError> {
+    let results =
+        admin(brokers)?.delete_topics(&[topic], &options()).await.map_err(|e| kafka_error("delete topic", e))?;
+    for result in results {
+        match result {
+            Ok(_) | Err((_, rdkafka::types::RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
+            Err((name, code)) => return Err(SourceError::permanent("delete topic", format!("{name}: {code}"))),
+        }
+    }
+    Ok(())
+}
+
 /// The topic's `retention.ms` as the broker reports it through DescribeConfigs; `None` when it does not say.
 pub async fn topic_retention_ms(brokers: &str, topic: &str) -> Result<Option<i64>, SourceError> {
     let resources = [ResourceSpecifier::Topic(topic)];

@@ -15,7 +15,7 @@ pub mod retention;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-pub use admin::{create_topic, topic_retention_ms};
+pub use admin::{create_topic, delete_topic, topic_retention_ms};
 pub use consumer::KafkaSource;
 pub use producer::{EVENT_ID_HEADER, KafkaProducer};
 pub use retention::RetentionPolicy;

@@ -351,10 +351,12 @@ fn dead_letter_from_row(row: &sqlx::postgres::PgRow) -> Result<DeadLetter, sqlx:
 }
 
 /// Connects to PostgreSQL with a pool of `max_connections` (at least one per partition consumed at once, plus
-/// one for housekeeping).
+/// one for housekeeping). Connections are not pinged before each use (a round trip per transaction): a broken
+/// one fails its first statement, and the engine retries the batch on a fresh one.
 pub async fn connect(url: &str, max_connections: u32) -> Result<sqlx::PgPool, Error> {
     Ok(sqlx::postgres::PgPoolOptions::new()
         .max_connections(max_connections.max(1))
+        .test_before_acquire(false)
         .acquire_timeout(std::time::Duration::from_secs(30))
         .connect(url)
         .await?)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs `idem bench` with everything it needs: a virtualenv with psycopg 3 for the reference handler (installed
+# once, in ~/.cache/idem-tools/bench-venv), the Kafka-compatible broker (scripts/kafka.sh), a release build.
+#
+#   bench/run.sh            the full benchmark (about 25 minutes on 2 cores)
+#   bench/run.sh --quick    a small version: checks that every leg runs and totals are right
+#
+# Extra arguments go to `idem bench` (see `idem bench --help`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv="${IDEM_BENCH_VENV:-$HOME/.cache/idem-tools/bench-venv}"
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import psycopg" 2>/dev/null; then
+    echo "bench: installing psycopg 3 into $venv" >&2
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet "psycopg[binary]>=3.1,<4"
+fi
+
+brokers="${IDEM_KAFKA_BROKERS:-}"
+if [ -z "$brokers" ]; then
+    scripts/kafka.sh up >&2
+    brokers=127.0.0.1:9092
+fi
+
+cargo build --release -p idem-cli >&2
+exec target/release/idem bench --python "$venv/bin/python" --kafka "$brokers" "$@"
