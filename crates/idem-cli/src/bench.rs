@@ -62,7 +62,7 @@ pub struct BenchArgs {
     /// A librdkafka consumer setting for the Kafka leg (KEY=VALUE, repeatable), e.g. fetch.wait.max.ms=10.
     #[arg(long = "kafka-setting")]
     kafka_settings: Vec<String>,
-    /// Only the legs whose name contains one of these (comma-separated), e.g. `pgbench,per-event`.
+    /// Only the legs whose name contains one of these (semicolon-separated), e.g. `pgbench;per-event`.
     #[arg(long)]
     only: Option<String>,
     /// Print one JSON object instead of the table.
@@ -180,7 +180,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
         .await
         .with_context(|| format!("--database-url: cannot connect to {}", crate::db::redact(&args.database_url)))?;
     let work = workload(args.events, args.duplicates, args.accounts, args.seed);
-    let wanted = |name: &str| args.only.as_deref().is_none_or(|only| only.split(',').any(|w| name.contains(w.trim())));
+    let wanted = |name: &str| args.only.as_deref().is_none_or(|only| only.split(';').any(|w| name.contains(w.trim())));
     let mut legs: Vec<Leg> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
     let progress = |name: &str| {
