@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use idem::source::SourceError;
-use idem::{BatchHandler, Config, Engine, Event, Handler, HandlerError, KeyExtractor, Message, Received, Source, Tables};
+use idem::{
+    BatchHandler, Config, Engine, Event, Handler, HandlerError, KeyExtractor, Message, Received, Source, Tables,
+};
 use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::demo::Rng;
@@ -162,7 +164,15 @@ impl Leg {
         let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
         let (min, max) = (sorted.first().copied().unwrap_or(0.0), sorted.last().copied().unwrap_or(0.0));
         runs.iter_mut().for_each(|r| *r = r.round());
-        Leg { name, runs, median: median.round(), min: min.round(), max: max.round(), peak_rss_mib: None, rss_mib_at_quarters: None }
+        Leg {
+            name,
+            runs,
+            median: median.round(),
+            min: min.round(),
+            max: max.round(),
+            peak_rss_mib: None,
+            rss_mib_at_quarters: None,
+        }
     }
 }
 
@@ -272,7 +282,13 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
             })
         );
     } else {
-        println!("{} events ({:.1}% duplicates), {} accounts, median of {} run(s)\n", args.events, args.duplicates * 100.0, args.accounts, args.runs);
+        println!(
+            "{} events ({:.1}% duplicates), {} accounts, median of {} run(s)\n",
+            args.events,
+            args.duplicates * 100.0,
+            args.accounts,
+            args.runs
+        );
         println!("{:<66} {:>10} {:>21}", "leg", "events/s", "min–max");
         for leg in &legs {
             let rss = leg.peak_rss_mib.map(|m| format!("  peak RSS {m:.0} MiB")).unwrap_or_default();
@@ -314,7 +330,11 @@ fn ratios(legs: &[Leg]) -> Vec<(String, f64)> {
         let batch_handler = median(&format!("idem batched {batch}, batch handler"));
         ratio(format!("idem batched {batch} (batch handler) ÷ reference"), batch_handler, reference);
         ratio(format!("idem batched {batch} (per-message handler) ÷ reference"), per_message, reference);
-        ratio(format!("idem batched {batch} (batch handler) ÷ batched SQL limit"), batch_handler, median(&format!("batched SQL limit {batch}")));
+        ratio(
+            format!("idem batched {batch} (batch handler) ÷ batched SQL limit"),
+            batch_handler,
+            median(&format!("batched SQL limit {batch}")),
+        );
     }
     let kafka = legs.iter().find(|l| l.name.starts_with("idem end to end from Kafka")).map(|l| l.median);
     let read = legs.iter().find(|l| l.name.starts_with("Kafka read limit")).map(|l| l.median);
@@ -333,7 +353,10 @@ async fn fresh_tables(pool: &PgPool, accounts: i64) -> anyhow::Result<Tables> {
     ] {
         sqlx::query(sql).execute(pool).await?;
     }
-    sqlx::query("INSERT INTO bench_accounts SELECT i, 0 FROM generate_series(0, $1 - 1) i").bind(accounts).execute(pool).await?;
+    sqlx::query("INSERT INTO bench_accounts SELECT i, 0 FROM generate_series(0, $1 - 1) i")
+        .bind(accounts)
+        .execute(pool)
+        .await?;
     let tables = Tables::new(None, PREFIX)?;
     idem::migrate(pool, &tables).await?;
     sqlx::query("VACUUM ANALYZE bench_accounts").execute(pool).await?;
@@ -342,10 +365,13 @@ async fn fresh_tables(pool: &PgPool, accounts: i64) -> anyhow::Result<Tables> {
 }
 
 async fn check_ledger(pool: &PgPool, leg: &str, expected_total: i64, expected_markers: i64) -> anyhow::Result<()> {
-    let total: i64 = sqlx::query_scalar("SELECT COALESCE(sum(balance), 0)::bigint FROM bench_accounts").fetch_one(pool).await?;
+    let total: i64 =
+        sqlx::query_scalar("SELECT COALESCE(sum(balance), 0)::bigint FROM bench_accounts").fetch_one(pool).await?;
     let markers: i64 = sqlx::query_scalar("SELECT count(*) FROM bench_processed_events").fetch_one(pool).await?;
     if total != expected_total || markers != expected_markers {
-        bail!("{leg}: ledger total {total} (expected {expected_total}), markers {markers} (expected {expected_markers})");
+        bail!(
+            "{leg}: ledger total {total} (expected {expected_total}), markers {markers} (expected {expected_markers})"
+        );
     }
     Ok(())
 }
@@ -541,8 +567,7 @@ async fn idem_leg(
 ) -> anyhow::Result<f64> {
     let tables = fresh_tables(pool, args.accounts).await?;
     let engine_pool = idem::postgres::connect(&args.database_url, partitions as u32 + 2).await?;
-    let config =
-        Config::new(GROUP, KeyExtractor::JsonPointer("/id".into())).batch_size(batch_size).tables(tables);
+    let config = Config::new(GROUP, KeyExtractor::JsonPointer("/id".into())).batch_size(batch_size).tables(tables);
     let engine = Engine::new(engine_pool.clone(), config)?;
     let source = MemorySource(Mutex::new(messages(work, partitions)));
     let started = Instant::now();
@@ -605,7 +630,7 @@ async fn raw_batched(pool: &PgPool, args: &BenchArgs, work: &Workload, batch: us
 /// Preloads the topic once, then consumes it `runs` times (a fresh group and fresh tables each time) in a child
 /// process whose memory is sampled.
 async fn kafka_leg(pool: &PgPool, args: &BenchArgs, brokers: &str, name: String) -> anyhow::Result<(Leg, Leg)> {
-    let work = workload(args.kafka_events, args.duplicates, args.accounts, args.seed ^ 0x6b61_666b_61);
+    let work = workload(args.kafka_events, args.duplicates, args.accounts, args.seed ^ 0x006b_6166_6b61);
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     let topic = format!("bench-{nanos}");
     let records: Vec<(i64, String)> = work.deliveries.iter().map(|p| (p.account, payload(p))).collect();
@@ -616,34 +641,13 @@ async fn kafka_leg(pool: &PgPool, args: &BenchArgs, brokers: &str, name: String)
     let mut quarters = Vec::new();
     let mut reads = Vec::new();
     for run in 0..args.runs {
-        let settings = KAFKA_DEFAULTS.iter().copied().chain(args.kafka_settings.iter().map(String::as_str));
-        let output = tokio::process::Command::new(std::env::current_exe()?)
-            .args(["bench-consume", "--read-only", "--database-url", &args.database_url, "--kafka", brokers])
-            .args(["--topic", &topic, "--group", &format!("bench-read-{nanos}-{run}"), "--batch-size", "1000"])
-            .args(["--deliveries", &work.deliveries.len().to_string()])
-            .args(settings.flat_map(|s| ["--kafka-setting", s]))
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .await?;
-        if !output.status.success() {
-            bail!("the Kafka reader failed (exit {:?})", output.status.code());
-        }
-        let report: serde_json::Value = serde_json::from_slice(&output.stdout).context("bench-consume output")?;
+        let deliveries = work.deliveries.len();
+        let report =
+            consume_child(args, brokers, &topic, &format!("bench-read-{nanos}-{run}"), deliveries, true).await?;
         reads.push(report["per_second"].as_f64().unwrap_or(0.0));
 
         fresh_tables(pool, args.accounts).await?;
-        let output = tokio::process::Command::new(std::env::current_exe()?)
-            .args(["bench-consume", "--database-url", &args.database_url, "--kafka", brokers, "--topic", &topic])
-            .args(["--group", &format!("bench-{nanos}-{run}"), "--batch-size", "1000"])
-            .args(["--deliveries", &work.deliveries.len().to_string()])
-            .args(KAFKA_DEFAULTS.iter().copied().chain(args.kafka_settings.iter().map(String::as_str)).flat_map(|s| ["--kafka-setting", s]))
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .await?;
-        if !output.status.success() {
-            bail!("the Kafka consumer failed (exit {:?})", output.status.code());
-        }
-        let report: serde_json::Value = serde_json::from_slice(&output.stdout).context("bench-consume output")?;
+        let report = consume_child(args, brokers, &topic, &format!("bench-{nanos}-{run}"), deliveries, false).await?;
         check_ledger(pool, "Kafka", work.expected_total, work.unique as i64).await?;
         runs.push(report["per_second"].as_f64().unwrap_or(0.0));
         peak = peak.max(report["peak_rss_mib"].as_f64().unwrap_or(0.0));
@@ -660,14 +664,43 @@ async fn kafka_leg(pool: &PgPool, args: &BenchArgs, brokers: &str, name: String)
     let mut leg = Leg::new(name, runs);
     leg.peak_rss_mib = Some((peak * 10.0).round() / 10.0);
     leg.rss_mib_at_quarters = Some(quarters);
-    let read = Leg::new(format!("Kafka read limit: read and acknowledge only, no database ({} events)", args.kafka_events), reads);
+    let read = Leg::new(
+        format!("Kafka read limit: read and acknowledge only, no database ({} events)", args.kafka_events),
+        reads,
+    );
     Ok((read, leg))
+}
+
+/// Runs `idem bench-consume` (reading only, or into the database) and returns its JSON report.
+async fn consume_child(
+    args: &BenchArgs,
+    brokers: &str,
+    topic: &str,
+    group: &str,
+    deliveries: usize,
+    read_only: bool,
+) -> anyhow::Result<serde_json::Value> {
+    let settings = KAFKA_DEFAULTS.iter().copied().chain(args.kafka_settings.iter().map(String::as_str));
+    let output = tokio::process::Command::new(std::env::current_exe()?)
+        .args(["bench-consume", "--database-url", &args.database_url, "--kafka", brokers, "--topic", topic])
+        .args(["--group", group, "--batch-size", "1000", "--deliveries", &deliveries.to_string()])
+        .args(read_only.then_some("--read-only"))
+        .args(settings.flat_map(|s| ["--kafka-setting", s]))
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .await?;
+    if !output.status.success() {
+        bail!("the Kafka consumer process failed (exit {:?})", output.status.code());
+    }
+    serde_json::from_slice(&output.stdout).context("bench-consume output")
 }
 
 fn rss_mib(field: &str) -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with(field)).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok()))
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with(field)).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
         .map_or(0.0, |kib| (kib / 1024.0 * 10.0).round() / 10.0)
 }
 

@@ -346,7 +346,12 @@ fn write_embedded(log_dir: &Path, partitions: i32, records: &[(i64, String)]) ->
 
 /// Produces to a fresh topic (explicit 7-day retention) through the idempotent producer helper, many sends in
 /// flight at once.
-pub(crate) async fn write_kafka(brokers: &str, topic: &str, partitions: i32, records: &[(i64, String)]) -> anyhow::Result<()> {
+pub(crate) async fn write_kafka(
+    brokers: &str,
+    topic: &str,
+    partitions: i32,
+    records: &[(i64, String)],
+) -> anyhow::Result<()> {
     idem::kafka::create_topic(brokers, topic, partitions, 7 * 24 * 3_600_000).await?;
     let producer = std::sync::Arc::new(idem::kafka::KafkaProducer::new(brokers)?);
     for chunk in records.chunks(2000) {

@@ -239,6 +239,20 @@ impl Config {
         }
         if let MarkerLayout::Partitioned(p) = self.layout {
             p.validate()?;
+            if self.pruning.retention.is_some_and(|r| r <= p.redelivery_window) {
+                return Err(Error::Config(
+                    "pruning.retention is not longer than layout.redelivery_window: the claim looks into partitions \
+                     the pruning would drop. Keep markers longer than the broker can redeliver"
+                        .into(),
+                ));
+            }
+            if self.tables.prefix().len() > 37 {
+                return Err(Error::Config(format!(
+                    "table_prefix `{}` is too long for partition names (processed_events_pYYYYMMDD after it must fit \
+                     PostgreSQL's 63 characters): use at most 37 characters",
+                    self.tables.prefix()
+                )));
+            }
         }
         Ok(())
     }
@@ -256,8 +270,9 @@ impl Partitioning {
         let period = self.period.as_str();
         if self.redelivery_window.is_zero() || self.redelivery_window >= self.period.shortest() {
             return Err(Error::Config(format!(
-                "layout: redelivery_window {}s is not shorter than one {period} partition ({}s): a redelivery across \
-                 more than one partition boundary would not be caught. Use month partitions, or the plain layout",
+                "layout: redelivery_window {}s is not shorter than one {period} partition ({}s): the claim looks into \
+                 the neighbouring partitions only, so a later redelivery would not be caught. Use month partitions, or \
+                 the plain layout",
                 self.redelivery_window.as_secs(),
                 self.period.shortest().as_secs()
             )));

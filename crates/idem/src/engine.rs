@@ -163,8 +163,8 @@ struct Inner<DB: Backend> {
     partitions: AtomicU64,
     faults: Faults,
     on_commit: Option<CommitObserver>,
-    /// Set once the marker table's layout was checked against the configuration.
-    layout_ready: tokio::sync::OnceCell<()>,
+    /// When the marker table's layout was last checked against the configuration (and partitions created ahead).
+    layout_checked: tokio::sync::Mutex<Option<Instant>>,
 }
 
 /// An unsequenced unit of work: a message with its key, or a message that has none.
@@ -274,7 +274,7 @@ impl<DB: Backend> Engine<DB> {
                 partitions: AtomicU64::new(0),
                 faults,
                 on_commit: None,
-                layout_ready: tokio::sync::OnceCell::new(),
+                layout_checked: tokio::sync::Mutex::new(None),
             }),
         })
     }
@@ -987,13 +987,16 @@ impl<DB: Backend> Engine<DB> {
         }
     }
 
-    /// Checks the marker table's layout against the configuration (and creates partitions ahead), once.
+    /// Checks the marker table's layout against the configuration and creates partitions ahead: at start, and
+    /// again once `pruning.interval` has passed (an engine driven by `process` has no housekeeping task).
     async fn prepare_layout(&self) -> Result<(), Error> {
         let inner = &self.inner;
-        inner
-            .layout_ready
-            .get_or_try_init(|| DB::prepare_layout(&inner.pool, &inner.config.tables, &inner.config.layout))
-            .await?;
+        let mut checked = inner.layout_checked.lock().await;
+        if checked.is_some_and(|at| at.elapsed() < inner.config.pruning.interval) {
+            return Ok(());
+        }
+        DB::prepare_layout(&inner.pool, &inner.config.tables, &inner.config.layout).await?;
+        *checked = Some(Instant::now());
         Ok(())
     }
 
@@ -1028,6 +1031,9 @@ impl<DB: Backend> Engine<DB> {
 
     async fn maintain_partitions(&self, partitioning: &crate::config::Partitioning) {
         let config = &self.inner.config;
+        if let Err(error) = DB::prepare_layout(&self.inner.pool, &config.tables, &config.layout).await {
+            tracing::error!(%error, "the marker table no longer has the configured layout: stop this consumer");
+        }
         let report =
             DB::maintain_partitions(&self.inner.pool, &config.tables, partitioning, config.pruning.retention).await;
         match report {

@@ -89,14 +89,20 @@ async fn duplicates_are_caught_across_the_boundary_within_the_window() {
                  (now() AT TIME ZONE 'UTC')::date - 1)",
     )
     .await;
-    // A window of just under a day reaches back over midnight whatever the time of day (bar its last 2 s).
+    // A delivery that began after midnight and committed first has its marker in tomorrow's partition.
+    pool.exec(
+        "INSERT INTO processed_events (consumer_group, event_id, topic, partition, \"offset\", processed_on)
+         VALUES ('ledger-writer', 'early', 'payments', 0, 3, (now() AT TIME ZONE 'UTC')::date + 1)",
+    )
+    .await;
+    // A window of just under a day reaches over midnight either way whatever the time of day (bar 2 s of it).
     let window = Duration::from_secs(86_399);
     let engine = Engine::new(pool.clone(), config(10).partitioned(PartitionPeriod::Day, window)).unwrap();
-    let outcomes = engine
-        .process(vec![payment(0, 1, "late", 1, ""), payment(0, 2, "too-late", 1, "")], &Ledger::default())
-        .await
-        .unwrap();
-    assert_eq!(outcomes, [idem::Outcome::Duplicate, idem::Outcome::Processed]);
+    let deliveries =
+        vec![payment(0, 1, "late", 1, ""), payment(0, 2, "too-late", 1, ""), payment(0, 3, "early", 1, "")];
+    let outcomes = engine.process(deliveries, &Ledger::default()).await.unwrap();
+    assert_eq!(outcomes, [idem::Outcome::Duplicate, idem::Outcome::Processed, idem::Outcome::Duplicate]);
+    assert_eq!(ledger_rows(pool, "early").await, 0);
     assert_eq!(ledger_rows(pool, "late").await, 0);
     assert_eq!(ledger_rows(pool, "too-late").await, 1, "older than the window: not caught, as documented");
 }
@@ -156,6 +162,39 @@ async fn pruning_drops_whole_partitions_past_the_retention() {
     assert_eq!(pool.scalar("SELECT COUNT(*) FROM processed_events").await, 160);
     let young = "SELECT COUNT(*) FROM processed_events WHERE processed_at > now() - interval '7 days'";
     assert_eq!(pool.scalar(young).await, 140, "no marker younger than the retention went");
+}
+
+/// An event marked on two days (a redelivery later than the window) converts to month partitions: the
+/// conversion keeps one marker per partition instead of failing on the primary key.
+#[tokio::test]
+async fn converting_days_to_months_keeps_one_marker_per_month() {
+    let db = common::pg().await;
+    let pool = &db.pool;
+    common::setup(pool).await;
+    let tables = Tables::default();
+    partitions::convert(pool, &tables, Some(PartitionPeriod::Day), 2).await.unwrap();
+    // Two consecutive days of one month among today and the two days ahead (whose partitions exist).
+    pool.exec(
+        "WITH t AS (SELECT (now() AT TIME ZONE 'UTC')::date AS d),
+              first AS (SELECT CASE WHEN date_trunc('month', d) = date_trunc('month', d + 1) THEN d ELSE d + 1 END AS d
+                          FROM t)
+         INSERT INTO processed_events (consumer_group, event_id, topic, partition, \"offset\", processed_on)
+         SELECT 'g', 'twice', 't', 0, n, first.d + n FROM first, generate_series(0, 1) n",
+    )
+    .await;
+    partitions::convert(pool, &tables, Some(PartitionPeriod::Month), 2).await.unwrap();
+    assert_eq!(partitions::stored_period(pool, &tables).await.unwrap(), Some(PartitionPeriod::Month));
+    assert_eq!(pool.scalar("SELECT COUNT(*) FROM processed_events WHERE event_id = 'twice'").await, 1);
+}
+
+/// A retention not longer than the redelivery window, or a prefix too long for partition names, is refused.
+#[test]
+fn partitioned_configuration_is_checked() {
+    let short = config(10).partitioned(PartitionPeriod::Day, HOUR).marker_retention(HOUR);
+    let err = short.validate().unwrap_err().to_string();
+    assert!(err.contains("redelivery_window"), "{err}");
+    let long = config(10).tables(Tables::new(None, &"p".repeat(38)).unwrap()).partitioned(PartitionPeriod::Day, HOUR);
+    assert!(long.validate().unwrap_err().to_string().contains("table_prefix"));
 }
 
 /// SQLite has no partitions: the layout is refused at start with a reason.

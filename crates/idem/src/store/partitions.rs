@@ -36,6 +36,16 @@ pub struct ExpiredPartition {
 
 const COMMENT_PREFIX: &str = "idem:partitioned:";
 
+/// The marker columns of both layouts, as migrations 1 and 3 create them.
+const MARKER_COLUMNS: &str = r#"
+    consumer_group text        NOT NULL,
+    event_id       text        NOT NULL,
+    topic          text        NOT NULL,
+    partition      int         NOT NULL,
+    "offset"       bigint      NOT NULL,
+    processed_at   timestamptz NOT NULL DEFAULT now(),
+    payload_digest bytea"#;
+
 /// The layout the marker table has in the database: `None` for plain, or the partition period.
 pub async fn stored_period(pool: &PgPool, tables: &Tables) -> Result<Option<PartitionPeriod>, Error> {
     let sql = tables.render(
@@ -282,17 +292,10 @@ pub async fn convert(
         Some(period) => {
             let unit = period.as_str();
             let create = tables.render(&format!(
-                r#"CREATE TABLE {{t}}processed_events (
-                     consumer_group text        NOT NULL,
-                     event_id       text        NOT NULL,
-                     topic          text        NOT NULL,
-                     partition      int         NOT NULL,
-                     "offset"       bigint      NOT NULL,
-                     processed_at   timestamptz NOT NULL DEFAULT now(),
-                     payload_digest bytea,
-                     processed_on   date        NOT NULL DEFAULT date_trunc('{unit}', now() AT TIME ZONE 'UTC')::date,
-                     PRIMARY KEY (consumer_group, event_id, processed_on)
-                   ) PARTITION BY RANGE (processed_on)"#
+                "CREATE TABLE {{t}}processed_events ({MARKER_COLUMNS},
+                   processed_on date NOT NULL DEFAULT date_trunc('{unit}', now() AT TIME ZONE 'UTC')::date,
+                   PRIMARY KEY (consumer_group, event_id, processed_on)
+                 ) PARTITION BY RANGE (processed_on)"
             ));
             sqlx::query(&create).execute(&mut *tx).await?;
             sqlx::query(&format!("COMMENT ON TABLE {parent} IS '{COMMENT_PREFIX}{unit}'")).execute(&mut *tx).await?;
@@ -310,27 +313,21 @@ pub async fn convert(
             }
             create_ahead_in(&mut tx, tables, period, create_ahead_count).await?;
             create_indexes(&mut tx, tables).await?;
+            // An event marked in two old partitions that fall into one new partition keeps its first marker.
             sqlx::query(&format!(
                 "INSERT INTO {parent} ({columns}, processed_on)
-                 SELECT {columns}, date_trunc('{unit}', processed_at AT TIME ZONE 'UTC')::date FROM {old}"
+                 SELECT DISTINCT ON (consumer_group, event_id, bucket) {columns}, bucket
+                   FROM (SELECT *, date_trunc('{unit}', processed_at AT TIME ZONE 'UTC')::date AS bucket FROM {old}) o
+                  ORDER BY consumer_group, event_id, bucket, processed_at"
             ))
             .execute(&mut *tx)
             .await?
             .rows_affected()
         }
         None => {
-            let create = tables.render(
-                r#"CREATE TABLE {t}processed_events (
-                     consumer_group text        NOT NULL,
-                     event_id       text        NOT NULL,
-                     topic          text        NOT NULL,
-                     partition      int         NOT NULL,
-                     "offset"       bigint      NOT NULL,
-                     processed_at   timestamptz NOT NULL DEFAULT now(),
-                     payload_digest bytea,
-                     PRIMARY KEY (consumer_group, event_id)
-                   )"#,
-            );
+            let create = tables.render(&format!(
+                "CREATE TABLE {{t}}processed_events ({MARKER_COLUMNS}, PRIMARY KEY (consumer_group, event_id))"
+            ));
             sqlx::query(&create).execute(&mut *tx).await?;
             create_indexes(&mut tx, tables).await?;
             // An event marked in two partitions keeps its first marker.

@@ -110,7 +110,8 @@ impl Backend for Postgres {
             Some((period, window)) => {
                 lock_near_boundary(&mut *conn, group, &ids, period, window).await?;
                 // The primary key catches duplicates within the current partition; the NOT EXISTS looks into the
-                // partition before (pruned to none when the window does not reach back over the boundary).
+                // neighbouring partitions within the window (pruned to none away from a boundary): the one before,
+                // and the one after, where a delivery that began after midnight but committed first can be.
                 tables.render(
                     r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset", payload_digest)
                        SELECT $1, u.* FROM UNNEST($2::text[], $3::text[], $4::int[], $5::bigint[], $6::bytea[])
@@ -119,7 +120,8 @@ impl Backend for Postgres {
                               SELECT 1 FROM {t}processed_events p
                                WHERE p.consumer_group = $1 AND p.event_id = u.event_id
                                  AND p.processed_on >= date_trunc($7, (now() - make_interval(secs => $8)) AT TIME ZONE 'UTC')::date
-                                 AND p.processed_on < date_trunc($7, now() AT TIME ZONE 'UTC')::date
+                                 AND p.processed_on <= date_trunc($7, (now() + make_interval(secs => $8)) AT TIME ZONE 'UTC')::date
+                                 AND p.processed_on <> date_trunc($7, now() AT TIME ZONE 'UTC')::date
                                  AND p.processed_at > now() - make_interval(secs => $8))
                        ON CONFLICT DO NOTHING
                        RETURNING event_id"#,
