@@ -162,10 +162,19 @@ async fn create_partition(
 
 /// The partitions whose whole range ends at least `retention` ago, with their marker counts (for a dry run).
 pub async fn expired(pool: &PgPool, tables: &Tables, retention: Duration) -> Result<Vec<ExpiredPartition>, Error> {
-    let names = expired_names(pool, tables, retention).await?;
+    let mut conn = pool.acquire().await?;
+    expired_on(&mut conn, tables, retention).await
+}
+
+async fn expired_on(
+    conn: &mut sqlx::PgConnection,
+    tables: &Tables,
+    retention: Duration,
+) -> Result<Vec<ExpiredPartition>, Error> {
+    let names = expired_names(&mut *conn, tables, retention).await?;
     let mut out = Vec::with_capacity(names.len());
     for name in names {
-        let markers: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {name}")).fetch_one(pool).await?;
+        let markers: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {name}")).fetch_one(&mut *conn).await?;
         out.push(ExpiredPartition { name, markers });
     }
     Ok(out)
@@ -175,18 +184,54 @@ pub async fn expired(pool: &PgPool, tables: &Tables, retention: Duration) -> Res
 /// the consumers (`DETACH PARTITION … CONCURRENTLY`), then dropped. Never touches a partition holding a marker
 /// younger than the retention.
 pub async fn drop_expired(pool: &PgPool, tables: &Tables, retention: Duration) -> Result<(Vec<String>, u64), Error> {
+    // One pruner at a time (several consumers run housekeeping): a session lock on one connection, which the
+    // detaches run on too (CONCURRENTLY cannot run in a transaction block).
+    let mut conn = pool.acquire().await?;
+    let key = lock_key(tables) ^ PRUNE_LOCK;
+    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)").bind(key).fetch_one(&mut *conn).await?;
+    if !locked {
+        tracing::debug!("another process is dropping marker partitions");
+        return Ok((Vec::new(), 0));
+    }
+    let result = drop_expired_locked(&mut conn, tables, retention).await;
+    if let Err(error) = sqlx::query("SELECT pg_advisory_unlock($1)").bind(key).execute(&mut *conn).await {
+        // The lock ends with the session: close it rather than return it to the pool holding the lock.
+        tracing::warn!(%error, "releasing the partition pruning lock failed; closing its connection");
+        let _ = conn.detach().close().await;
+    }
+    result
+}
+
+/// Distinguishes the pruning lock from the migration lock of the same tables.
+const PRUNE_LOCK: i64 = 0x7072_756e_6500;
+
+async fn drop_expired_locked(
+    conn: &mut sqlx::PgConnection,
+    tables: &Tables,
+    retention: Duration,
+) -> Result<(Vec<String>, u64), Error> {
     let parent = tables.table("processed_events");
+    // A detach interrupted earlier leaves its partition pending: finish it first, whatever else happens.
+    let pending: Vec<String> = sqlx::query_scalar(&tables.render(
+        "SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname) FROM pg_inherits i
+           JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+          WHERE i.inhparent = '{t}processed_events'::regclass AND i.inhdetachpending",
+    ))
+    .fetch_all(&mut *conn)
+    .await?;
+    for name in &pending {
+        tracing::warn!(partition = %name, "finishing an interrupted detach of a marker partition");
+        sqlx::query(&format!("ALTER TABLE {parent} DETACH PARTITION {name} FINALIZE")).execute(&mut *conn).await?;
+    }
     let mut dropped = Vec::new();
     let mut markers = 0u64;
-    for ExpiredPartition { name, markers: count } in expired(pool, tables, retention).await? {
-        // CONCURRENTLY cannot run in a transaction block: each statement on its own pooled connection.
-        let detach = format!("ALTER TABLE {parent} DETACH PARTITION {name} CONCURRENTLY");
-        if let Err(error) = sqlx::query(&detach).execute(pool).await {
-            // A detach interrupted earlier leaves the partition pending; FINALIZE completes it.
-            tracing::warn!(partition = %name, %error, "detaching a marker partition failed; finalizing instead");
-            sqlx::query(&format!("ALTER TABLE {parent} DETACH PARTITION {name} FINALIZE")).execute(pool).await?;
+    for ExpiredPartition { name, markers: count } in expired_on(conn, tables, retention).await? {
+        if !pending.contains(&name) {
+            sqlx::query(&format!("ALTER TABLE {parent} DETACH PARTITION {name} CONCURRENTLY"))
+                .execute(&mut *conn)
+                .await?;
         }
-        sqlx::query(&format!("DROP TABLE {name}")).execute(pool).await?;
+        sqlx::query(&format!("DROP TABLE {name}")).execute(&mut *conn).await?;
         tracing::info!(partition = %name, markers = count, "marker partition dropped");
         markers += count.max(0) as u64;
         dropped.push(name);
@@ -228,7 +273,11 @@ pub async fn list(pool: &PgPool, tables: &Tables) -> Result<Vec<(String, String,
     Ok(out)
 }
 
-async fn expired_names(pool: &PgPool, tables: &Tables, retention: Duration) -> Result<Vec<String>, Error> {
+async fn expired_names(
+    conn: &mut sqlx::PgConnection,
+    tables: &Tables,
+    retention: Duration,
+) -> Result<Vec<String>, Error> {
     let sql = tables.render(
         r#"SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname)
              FROM pg_inherits i
@@ -239,7 +288,7 @@ async fn expired_names(pool: &PgPool, tables: &Tables, retention: Duration) -> R
                      ::timestamp AT TIME ZONE 'UTC') <= now() - make_interval(secs => $1)
             ORDER BY c.relname"#,
     );
-    Ok(sqlx::query_scalar(&sql).bind(retention.as_secs_f64()).fetch_all(pool).await?)
+    Ok(sqlx::query_scalar(&sql).bind(retention.as_secs_f64()).fetch_all(conn).await?)
 }
 
 fn suffix_format(period: PartitionPeriod) -> &'static str {

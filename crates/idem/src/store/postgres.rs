@@ -156,7 +156,7 @@ impl Backend for Postgres {
         let existing: Vec<&str> = ids.iter().copied().filter(|id| !fresh.contains(*id)).collect();
         let stored: Vec<StoredMarker> = sqlx::query_as(&tables.render(
             r#"SELECT event_id, payload_digest, topic, partition, "offset" FROM {t}processed_events
-                WHERE consumer_group = $1 AND event_id = ANY($2)"#,
+                WHERE consumer_group = $1 AND event_id = ANY($2) ORDER BY processed_at"#,
         ))
         .bind(group)
         .bind(&existing)
