@@ -58,6 +58,7 @@ pub mod error;
 pub mod fault;
 pub mod gap;
 pub mod handler;
+pub mod inbox;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod key;
