@@ -61,13 +61,17 @@ async fn consumer_lag_per_partition_follows_the_backlog() {
         })
     };
     let finished = {
-        let engine = engine.clone();
+        let (engine, recorder, topic) = (engine.clone(), recorder.clone(), topic.clone());
         async move {
             while engine.stats().processed < 80 {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            // Offsets are committed asynchronously; give the statistics two more rounds.
-            tokio::time::sleep(Duration::from_secs(2)).await;
+            // Offsets are committed asynchronously and the statistics come every 200 ms: wait for the gauge to
+            // see the last commit (at most 30 s; the assertion below reports a gauge that never does).
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while lag_of(&recorder.render(), &topic) != Some(0.0) && std::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
         }
     };
     let stats = engine.run(source, Slow, finished).await.unwrap();
