@@ -242,13 +242,7 @@ async fn prune_partitions(
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let partitioning = idem::Partitioning {
-        period,
-        // Not used by maintenance; any valid window.
-        redelivery_window: std::time::Duration::from_secs(1),
-        create_ahead,
-    };
-    let report = partitions::maintain(pool, tables, &partitioning, Some(retention)).await?;
+    let report = partitions::maintain(pool, tables, period, create_ahead, Some(retention)).await?;
     if json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

@@ -1001,8 +1001,8 @@ impl<DB: Backend> Engine<DB> {
     }
 
     async fn prune_once(&self) {
-        if let Some(partitioning) = self.partitioned() {
-            return self.maintain_partitions(partitioning).await;
+        if self.partitioned().is_some() {
+            return self.maintain_partitions().await;
         }
         let config = &self.inner.config;
         let Some(retention) = config.pruning.retention else { return };
@@ -1029,20 +1029,20 @@ impl<DB: Backend> Engine<DB> {
         }
     }
 
-    async fn maintain_partitions(&self, partitioning: &crate::config::Partitioning) {
+    /// The partitioned layout's pass: the layout checked again and partitions created ahead, then expired
+    /// partitions dropped whole.
+    async fn maintain_partitions(&self) {
         let config = &self.inner.config;
         if let Err(error) = DB::prepare_layout(&self.inner.pool, &config.tables, &config.layout).await {
             tracing::error!(%error, "the marker table no longer has the configured layout: stop this consumer");
         }
-        let report =
-            DB::maintain_partitions(&self.inner.pool, &config.tables, partitioning, config.pruning.retention).await;
-        match report {
-            Ok(report) => {
+        let Some(retention) = config.pruning.retention else { return };
+        match DB::drop_expired_partitions(&self.inner.pool, &config.tables, retention).await {
+            Ok((dropped, markers)) => {
                 metrics::counter!("processed_events_pruned_total", "consumer_group" => config.group.clone())
-                    .increment(report.markers_dropped);
-                if !report.created.is_empty() || !report.dropped.is_empty() {
-                    tracing::info!(consumer_group = %config.group, created = ?report.created, dropped = ?report.dropped,
-                        markers_dropped = report.markers_dropped, "marker partitions maintained");
+                    .increment(markers);
+                if !dropped.is_empty() {
+                    tracing::info!(consumer_group = %config.group, ?dropped, markers, "marker partitions dropped");
                 }
             }
             Err(error) => {

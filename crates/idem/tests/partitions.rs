@@ -152,8 +152,7 @@ async fn pruning_drops_whole_partitions_past_the_retention() {
     assert_eq!(expired.iter().map(|p| p.markers).sum::<i64>(), 12 * 20);
     assert_eq!(pool.scalar("SELECT COUNT(*) FROM processed_events").await, 400, "a dry run drops nothing");
 
-    let partitioning = idem::Partitioning { period: PartitionPeriod::Day, redelivery_window: HOUR, create_ahead: 4 };
-    let report = partitions::maintain(pool, &tables, &partitioning, Some(week)).await.unwrap();
+    let report = partitions::maintain(pool, &tables, PartitionPeriod::Day, 4, Some(week)).await.unwrap();
     assert_eq!(report.dropped.len(), 12);
     assert_eq!(report.markers_dropped, 240);
     assert_eq!(report.created.len(), 2, "days 3 and 4 ahead");

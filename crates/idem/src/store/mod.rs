@@ -14,7 +14,7 @@ use std::future::Future;
 
 pub use migrate::{Migration, MigrationReport};
 
-use crate::config::{MarkerLayout, Partitioning};
+use crate::config::MarkerLayout;
 use crate::error::Error;
 use crate::message::{Event, Message};
 
@@ -54,14 +54,13 @@ pub trait Backend: sqlx::Database + Sized {
         layout: &MarkerLayout,
     ) -> impl Future<Output = Result<(), Error>> + Send;
 
-    /// One maintenance pass of the partitioned layout: partitions created ahead, those past `retention`
-    /// dropped whole. PostgreSQL only.
-    fn maintain_partitions(
+    /// Drops the partitions of the partitioned layout whose whole range is past `retention`; returns their
+    /// names and the markers that went with them. PostgreSQL only.
+    fn drop_expired_partitions(
         pool: &sqlx::Pool<Self>,
         tables: &Tables,
-        partitioning: &Partitioning,
-        retention: Option<std::time::Duration>,
-    ) -> impl Future<Output = Result<partitions::PartitionReport, Error>> + Send;
+        retention: std::time::Duration,
+    ) -> impl Future<Output = Result<(Vec<String>, u64), Error>> + Send;
 
     /// Whether the open transaction can still commit what it holds: `Ok(false)` when the handler ended it
     /// itself, an error when it is aborted (PostgreSQL then turns `COMMIT` into a silent `ROLLBACK`).

@@ -11,7 +11,7 @@ use sqlx::{Connection, PgPool};
 
 use super::Tables;
 use super::migrate::lock_key;
-use crate::config::{MarkerLayout, PartitionPeriod, Partitioning};
+use crate::config::{MarkerLayout, PartitionPeriod};
 use crate::error::Error;
 
 /// What a maintenance pass did to the partitions.
@@ -243,10 +243,11 @@ async fn drop_expired_locked(
 pub async fn maintain(
     pool: &PgPool,
     tables: &Tables,
-    partitioning: &Partitioning,
+    period: PartitionPeriod,
+    ahead: u32,
     retention: Option<Duration>,
 ) -> Result<PartitionReport, Error> {
-    let created = create_ahead(pool, tables, partitioning.period, partitioning.create_ahead).await?;
+    let created = create_ahead(pool, tables, period, ahead).await?;
     let (dropped, markers_dropped) = match retention {
         Some(retention) => drop_expired(pool, tables, retention).await?,
         None => (Vec::new(), 0),

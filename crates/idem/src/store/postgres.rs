@@ -6,12 +6,12 @@ use std::collections::HashSet;
 use sqlx::{Connection, PgConnection, Postgres, Row};
 
 use super::migrate::{lock_key, pending, split_statements};
-use super::partitions::{self, PartitionReport};
+use super::partitions;
 use super::{
     Backend, Claim, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Tables, decode_headers,
     encode_headers, judge_existing, payload_digest,
 };
-use crate::config::{MarkerLayout, Partitioning};
+use crate::config::MarkerLayout;
 use crate::error::Error;
 use crate::message::Event;
 
@@ -72,13 +72,12 @@ impl Backend for Postgres {
         Ok(())
     }
 
-    async fn maintain_partitions(
+    async fn drop_expired_partitions(
         pool: &sqlx::PgPool,
         tables: &Tables,
-        partitioning: &Partitioning,
-        retention: Option<std::time::Duration>,
-    ) -> Result<PartitionReport, Error> {
-        partitions::maintain(pool, tables, partitioning, retention).await
+        retention: std::time::Duration,
+    ) -> Result<(Vec<String>, u64), Error> {
+        partitions::drop_expired(pool, tables, retention).await
     }
 
     async fn claim(

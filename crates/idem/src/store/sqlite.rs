@@ -4,12 +4,11 @@
 use sqlx::{Connection, Row, Sqlite, SqliteConnection};
 
 use super::migrate::{pending, split_statements};
-use super::partitions::PartitionReport;
 use super::{
     Backend, Claim, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Tables, decode_headers,
     encode_headers, judge_existing, payload_digest,
 };
-use crate::config::{MarkerLayout, Partitioning};
+use crate::config::MarkerLayout;
 use crate::error::Error;
 use crate::message::Event;
 
@@ -67,12 +66,11 @@ impl Backend for Sqlite {
         }
     }
 
-    async fn maintain_partitions(
+    async fn drop_expired_partitions(
         _pool: &sqlx::SqlitePool,
         _tables: &Tables,
-        _partitioning: &Partitioning,
-        _retention: Option<std::time::Duration>,
-    ) -> Result<PartitionReport, Error> {
+        _retention: std::time::Duration,
+    ) -> Result<(Vec<String>, u64), Error> {
         Err(partitions_unsupported())
     }
 
