@@ -168,7 +168,7 @@ struct Inner<DB: Backend> {
 }
 
 /// An unsequenced unit of work: a message with its key, or a message that has none.
-enum Item {
+pub(crate) enum Item {
     Keyed(Event),
     Unkeyed { message: Message, reason: MissingKey },
 }
@@ -197,7 +197,7 @@ enum Step {
 }
 
 /// The two kinds of user code behind one interface.
-trait Apply<DB: Backend>: Send + Sync {
+pub(crate) trait Apply<DB: Backend>: Send + Sync {
     /// Applies `fresh` (the new events, in order); on failure, the index into `fresh` when it is known.
     fn apply(
         &self,
@@ -206,9 +206,31 @@ trait Apply<DB: Backend>: Send + Sync {
     ) -> impl Future<Output = Result<(), (Option<usize>, HandlerError)>> + Send;
 }
 
+/// What a partition worker does with one batch of its partition's messages, in order; the engine's marker path
+/// and the Sequential Inbox are the two implementations. `Err(Error::Stopped)` leaves the batch unacknowledged.
+pub(crate) trait Process<DB: Backend>: Send + Sync + 'static {
+    /// Handles `batch` to the end (committed or dead-lettered), so that it can be acknowledged.
+    fn process(
+        &self,
+        engine: &Engine<DB>,
+        batch: Vec<Message>,
+        stop: &AtomicBool,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+}
+
+/// The marker path: every message of the batch through [`Engine::process_items`].
+struct Marked<A>(A);
+
+impl<DB: Backend, A: Apply<DB> + 'static> Process<DB> for Marked<A> {
+    async fn process(&self, engine: &Engine<DB>, batch: Vec<Message>, stop: &AtomicBool) -> Result<(), Error> {
+        let items = engine.items(batch);
+        engine.process_items(&items, &self.0, stop).await.map(drop)
+    }
+}
+
 struct PerMessage<H>(H);
 struct PerBatch<B>(B);
-struct PerMessageRef<'h, H>(&'h H);
+pub(crate) struct PerMessageRef<'h, H>(pub(crate) &'h H);
 struct PerBatchRef<'h, B>(&'h B);
 
 async fn apply_each<DB: Backend, H: Handler<DB>>(
@@ -298,6 +320,11 @@ impl<DB: Backend> Engine<DB> {
         &self.inner.config
     }
 
+    /// The pool the engine's transactions run on.
+    pub(crate) fn pool(&self) -> &Pool<DB> {
+        &self.inner.pool
+    }
+
     /// What a readiness probe needs: whether [`Engine::run`] is consuming, draining, and on how many partitions.
     pub fn health(&self) -> Health {
         Health {
@@ -324,7 +351,7 @@ impl<DB: Backend> Engine<DB> {
         handler: H,
         shutdown: impl Future + Send,
     ) -> Result<StatsSnapshot, Error> {
-        self.run_with(source, Arc::new(PerMessage(handler)), shutdown).await
+        self.run_with(source, Arc::new(Marked(PerMessage(handler))), shutdown).await
     }
 
     /// Like [`Engine::run`] with a batch handler, which receives all new events of a batch at once.
@@ -334,7 +361,7 @@ impl<DB: Backend> Engine<DB> {
         handler: B,
         shutdown: impl Future + Send,
     ) -> Result<StatsSnapshot, Error> {
-        self.run_with(source, Arc::new(PerBatch(handler)), shutdown).await
+        self.run_with(source, Arc::new(Marked(PerBatch(handler))), shutdown).await
     }
 
     /// Handles `messages` (of one partition, in order) as one batch with a per-message handler, without a
@@ -356,10 +383,10 @@ impl<DB: Backend> Engine<DB> {
         self.process_items(&items, &PerBatchRef(handler), &AtomicBool::new(false)).await
     }
 
-    async fn run_with<S: Source, A: Apply<DB> + 'static>(
+    pub(crate) async fn run_with<S: Source, P: Process<DB>>(
         &self,
         source: S,
-        apply: Arc<A>,
+        apply: Arc<P>,
         shutdown: impl Future + Send,
     ) -> Result<StatsSnapshot, Error> {
         self.prepare_layout().await?;
@@ -471,11 +498,11 @@ impl Worker {
 }
 
 impl<DB: Backend> Engine<DB> {
-    fn spawn_worker<S: Source, A: Apply<DB> + 'static>(
+    fn spawn_worker<S: Source, P: Process<DB>>(
         &self,
         partition: Partition,
         source: Arc<S>,
-        apply: Arc<A>,
+        apply: Arc<P>,
         fatal: mpsc::UnboundedSender<Error>,
     ) -> Worker {
         let batch_size = self.inner.config.batch_size;
@@ -502,8 +529,7 @@ impl<DB: Backend> Engine<DB> {
                 }
                 let last = batch.last().map(|m| m.offset).unwrap_or_default();
                 engine.detect_gaps(&mut gaps, &batch);
-                let items = engine.items(batch);
-                match engine.process_items(&items, apply.as_ref(), &stop).await {
+                match apply.process(&engine, batch, &stop).await {
                     Ok(_) => {}
                     Err(Error::Stopped) => break,
                     Err(error) => {
@@ -549,7 +575,7 @@ impl<DB: Backend> Engine<DB> {
         }
     }
 
-    fn items(&self, messages: Vec<Message>) -> Vec<Item> {
+    pub(crate) fn items(&self, messages: Vec<Message>) -> Vec<Item> {
         let key = &self.inner.config.key;
         messages
             .into_iter()
@@ -561,7 +587,7 @@ impl<DB: Backend> Engine<DB> {
     }
 
     /// Handles `items` in order: commits as much of them together as possible, dead-letters the failures.
-    async fn process_items<A: Apply<DB>>(
+    pub(crate) async fn process_items<A: Apply<DB>>(
         &self,
         items: &[Item],
         apply: &A,

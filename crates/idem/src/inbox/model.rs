@@ -1,44 +1,12 @@
-//! The Sequential Inbox's model (document 002): sequences of message types handled in a declared order per
-//! business context (an order, a payment), whatever order the broker delivers them in.
-//!
-//! A [`Sequence`] has a name, a retention and two or more [`MessageType`]s. Each message type is a
-//! [`QualifiedType`] (a type name and an optional sub-type) with a [`ContextId`] extractor (none: the message is
-//! not sequenced), an optional [`Filter`] (false: handle it at once, unsequenced) and an optional release
-//! [`Condition`] (`predecessor`, `all`, `any`; none: released on arrival).
-//!
-//! Sequences are declared in code or in a TOML file ([`InboxConfig::from_toml`]) and validated before anything
-//! starts ([`InboxConfig::validate`]): every qualified type in at most one sequence, predecessors that exist in
-//! the sequence, no cycles, at least two types per sequence, and a type declared with sub-types never also
-//! declared without one.
-//!
-//! ```toml
-//! [[sequence]]
-//! name = "order"
-//! retention = "30d"
-//!
-//! [[sequence.type]]
-//! name = "OrderCreated"
-//! context_id = "json:/orderId"
-//!
-//! [[sequence.type]]
-//! name = "OrderValidated"
-//! sub_type = "stock"
-//! context_id = "json:/orderId"
-//! release = { predecessor = "OrderCreated" }
-//!
-//! [[sequence.type]]
-//! name = "OrderShipped"
-//! context_id = "json:/orderId"
-//! filter = { pointer = "/express", equals = false }
-//! release = { all = [{ predecessor = "OrderValidated/stock" }, { predecessor = "OrderCreated" }] }
-//! ```
+//! The Sequential Inbox's model: sequences, message types, release conditions, and their validation.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use crate::error::Error;
+use crate::key::KeyExtractor;
 use crate::message::Message;
 
 /// A message type name and an optional sub-type, written `Name` or `Name/sub`.
@@ -226,6 +194,30 @@ pub struct MessageType {
     pub release: Option<Condition>,
 }
 
+impl MessageType {
+    /// A message type whose context id comes from `context_id`, released on arrival and never filtered out.
+    pub fn new(qualified: QualifiedType, context_id: ContextId) -> Self {
+        MessageType { qualified, context_id, filter: None, release: None }
+    }
+
+    /// Released only when `condition` holds.
+    pub fn release(mut self, condition: Condition) -> Self {
+        self.release = Some(condition);
+        self
+    }
+
+    /// Released once a message of `predecessor` was processed (a shorthand for [`MessageType::release`]).
+    pub fn after(self, predecessor: QualifiedType) -> Self {
+        self.release(Condition::Predecessor(predecessor))
+    }
+
+    /// Sequences only the messages `filter` accepts; the others are handled at once.
+    pub fn filter(mut self, filter: Filter) -> Self {
+        self.filter = Some(filter);
+        self
+    }
+}
+
 /// A sequence of message types handled in a declared order per context.
 #[derive(Debug, Clone)]
 pub struct Sequence {
@@ -235,16 +227,131 @@ pub struct Sequence {
     pub retention: Duration,
     /// Its message types.
     pub types: Vec<MessageType>,
+    /// Recording mode: until this time, messages are handled on arrival and recorded as PROCESSED without their
+    /// release conditions being enforced, so that an inbox can be introduced on a live topic.
+    pub record_until: Option<SystemTime>,
 }
 
-/// Every sequence of one consumer.
-#[derive(Debug, Clone, Default)]
+impl Sequence {
+    /// A sequence named `name` whose instances are kept `retention` after their creation.
+    pub fn new(name: impl Into<String>, retention: Duration) -> Self {
+        Sequence { name: name.into(), retention, types: Vec::new(), record_until: None }
+    }
+
+    /// Adds a message type.
+    pub fn with_type(mut self, message_type: MessageType) -> Self {
+        self.types.push(message_type);
+        self
+    }
+
+    /// Records without enforcing release conditions until `until` (see [`Sequence::record_until`]).
+    pub fn recording_until(mut self, until: SystemTime) -> Self {
+        self.record_until = Some(until);
+        self
+    }
+
+    /// Whether the sequence is in recording mode at `now`.
+    pub fn recording(&self, now: SystemTime) -> bool {
+        self.record_until.is_some_and(|until| now < until)
+    }
+}
+
+/// Where the handler runs relative to the claim transaction (document 002, "Transaction boundaries").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum InboxTransactions {
+    /// The default: the handler runs inside the claim transaction, so its effects, the claim and the inbox
+    /// state commit together or not at all: exactly-once for everything the handler writes through `tx`.
+    /// A released (buffered) message runs in a savepoint of the releasing transaction.
+    #[default]
+    Shared,
+    /// Document 002's boundaries: the handler runs in a transaction of its own on a second connection, which
+    /// idem commits before it records the inbox state and commits the claim. A crash between the two commits
+    /// runs the handler again on redelivery, so its effects must be idempotent on their own. Needs two
+    /// connections per partition.
+    Separate,
+}
+
+/// How the inbox tidies its tables.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxHousekeeping {
+    /// How often housekeeping runs while consuming (closing, expiring, deleting, gauges, operator releases).
+    pub interval: Duration,
+    /// How long after `retain_until` an instance is deleted.
+    pub expiry_delay: Duration,
+    /// Instances closed or deleted per statement.
+    pub batch_size: u32,
+    /// Instances whose `retain_until` falls within this much of now count as expiring soon (a gauge).
+    pub expiring_soon: Duration,
+}
+
+impl Default for InboxHousekeeping {
+    fn default() -> Self {
+        InboxHousekeeping {
+            interval: Duration::from_secs(30),
+            expiry_delay: Duration::from_secs(86_400),
+            batch_size: 500,
+            expiring_soon: Duration::from_secs(86_400),
+        }
+    }
+}
+
+/// Every sequence of one consumer, and how messages are typed.
+#[derive(Debug, Clone)]
 pub struct InboxConfig {
     /// The sequences.
     pub sequences: Vec<Sequence>,
+    /// Where a message's type name comes from (default `header:type`).
+    pub message_type: KeyExtractor,
+    /// Where its sub-type comes from, for types declared with sub-types.
+    pub sub_type: Option<KeyExtractor>,
+    /// Where the handler runs relative to the claim transaction.
+    pub transactions: InboxTransactions,
+    /// Housekeeping.
+    pub housekeeping: InboxHousekeeping,
+}
+
+impl Default for InboxConfig {
+    fn default() -> Self {
+        InboxConfig {
+            sequences: Vec::new(),
+            message_type: KeyExtractor::Header("type".into()),
+            sub_type: None,
+            transactions: InboxTransactions::default(),
+            housekeeping: InboxHousekeeping::default(),
+        }
+    }
 }
 
 impl InboxConfig {
+    /// No sequences yet; types read from the `type` header.
+    pub fn new() -> Self {
+        InboxConfig::default()
+    }
+
+    /// Adds a sequence.
+    pub fn with_sequence(mut self, sequence: Sequence) -> Self {
+        self.sequences.push(sequence);
+        self
+    }
+
+    /// Reads the type name with `extractor` instead of the `type` header.
+    pub fn message_type_from(mut self, extractor: KeyExtractor) -> Self {
+        self.message_type = extractor;
+        self
+    }
+
+    /// Reads sub-types with `extractor`.
+    pub fn sub_type_from(mut self, extractor: KeyExtractor) -> Self {
+        self.sub_type = Some(extractor);
+        self
+    }
+
+    /// Chooses where the handler runs relative to the claim transaction.
+    pub fn transactions(mut self, mode: InboxTransactions) -> Self {
+        self.transactions = mode;
+        self
+    }
+
     /// Refuses a configuration that cannot work, naming the sequence, the type and the fix.
     pub fn validate(&self) -> Result<(), Error> {
         let mut owner: HashMap<&QualifiedType, &str> = HashMap::new();
@@ -277,7 +384,23 @@ impl InboxConfig {
             }
             validate_predecessors(sequence)?;
         }
+        if self.sequences.is_empty() {
+            return Err(Error::Config("inbox: no sequence is declared; declare at least one `[[sequence]]`".into()));
+        }
+        let h = &self.housekeeping;
+        if h.interval.is_zero() || h.batch_size == 0 {
+            return Err(Error::Config("inbox housekeeping: interval and batch_size must be above zero".into()));
+        }
         let with_sub: HashSet<&str> = owner.keys().filter(|t| t.sub_type.is_some()).map(|t| t.name.as_str()).collect();
+        if !with_sub.is_empty() && self.sub_type.is_none() {
+            let mut names: Vec<&str> = with_sub.iter().copied().collect();
+            names.sort();
+            return Err(Error::Config(format!(
+                "inbox: `{}` is declared with sub-types but `sub_type` (where a message's sub-type is read, e.g. \
+                 `header:subtype`) is not set",
+                names.join("`, `")
+            )));
+        }
         if let Some(t) = owner.keys().find(|t| t.sub_type.is_none() && with_sub.contains(t.name.as_str())) {
             return Err(Error::Config(format!(
                 "message type `{t}` is declared with sub-types and also without one: declare each sub-type, or none"
@@ -358,16 +481,30 @@ fn validate_predecessors(sequence: &Sequence) -> Result<(), Error> {
 
 /// The TOML form.
 mod file {
-    use std::time::Duration;
+    use std::time::{Duration, SystemTime};
 
-    use super::{Condition, ContextId, Filter, InboxConfig, MessageType, QualifiedType, Sequence};
+    use super::{Condition, ContextId, Filter, InboxConfig, InboxTransactions, MessageType, QualifiedType, Sequence};
+    use crate::key::KeyExtractor;
     use crate::error::Error;
 
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
     pub(super) struct InboxFile {
+        message_type: Option<String>,
+        sub_type: Option<String>,
+        transactions: Option<String>,
+        housekeeping: Option<HousekeepingFile>,
         #[serde(default)]
         sequence: Vec<SequenceFile>,
+    }
+
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct HousekeepingFile {
+        interval: Option<String>,
+        expiry_delay: Option<String>,
+        batch_size: Option<u32>,
+        expiring_soon: Option<String>,
     }
 
     #[derive(serde::Deserialize)]
@@ -375,8 +512,51 @@ mod file {
     struct SequenceFile {
         name: String,
         retention: String,
+        record_until: Option<toml::value::Datetime>,
         #[serde(rename = "type", default)]
         types: Vec<TypeFile>,
+    }
+
+    fn extractor(field: &str, text: &str) -> Result<KeyExtractor, Error> {
+        text.parse::<KeyExtractor>().map_err(|e| Error::Config(format!("inbox `{field}`: {e}")))
+    }
+
+    fn duration(field: &str, text: &str) -> Result<Duration, Error> {
+        crate::prune::parse_duration(text).map_err(|e| Error::Config(format!("inbox housekeeping `{field}`: {e}")))
+    }
+
+    /// A TOML offset date-time (`2026-12-01T00:00:00Z`) as a point in time.
+    fn instant(sequence: &str, at: &toml::value::Datetime) -> Result<SystemTime, Error> {
+        let bad = || {
+            Error::Config(format!(
+                "sequence `{sequence}`: record_until `{at}` needs a date, a time and an offset, e.g. \
+                 2026-12-01T00:00:00Z"
+            ))
+        };
+        let (Some(date), Some(time), Some(offset)) = (at.date, at.time, at.offset) else { return Err(bad()) };
+        let offset_minutes = match offset {
+            toml::value::Offset::Z => 0,
+            toml::value::Offset::Custom { minutes } => i64::from(minutes),
+        };
+        let days = days_from_civil(i64::from(date.year), i64::from(date.month), i64::from(date.day));
+        let seconds = days * 86_400
+            + i64::from(time.hour) * 3_600
+            + i64::from(time.minute) * 60
+            + i64::from(time.second)
+            - offset_minutes * 60;
+        let seconds = u64::try_from(seconds).map_err(|_| bad())?;
+        Ok(SystemTime::UNIX_EPOCH + Duration::new(seconds, time.nanosecond))
+    }
+
+    /// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
+    fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+        let y = if month <= 2 { year - 1 } else { year };
+        let era = y.div_euclid(400);
+        let yoe = y - era * 400;
+        let mp = (month + 9) % 12;
+        let doy = (153 * mp + 2) / 5 + day - 1;
+        let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+        era * 146_097 + doe - 719_468
     }
 
     #[derive(serde::Deserialize)]
@@ -407,7 +587,37 @@ mod file {
     impl InboxFile {
         pub(super) fn into_config(self) -> Result<InboxConfig, Error> {
             let sequences = self.sequence.into_iter().map(SequenceFile::into_sequence).collect::<Result<_, _>>()?;
-            Ok(InboxConfig { sequences })
+            let mut config = InboxConfig { sequences, ..InboxConfig::default() };
+            if let Some(text) = &self.message_type {
+                config.message_type = extractor("message_type", text)?;
+            }
+            config.sub_type = self.sub_type.as_deref().map(|text| extractor("sub_type", text)).transpose()?;
+            config.transactions = match self.transactions.as_deref() {
+                None | Some("shared") => InboxTransactions::Shared,
+                Some("separate") => InboxTransactions::Separate,
+                Some(other) => {
+                    return Err(Error::Config(format!(
+                        "inbox `transactions = \"{other}\"`: use \"shared\" (the handler in the claim transaction, \
+                         the default) or \"separate\""
+                    )));
+                }
+            };
+            if let Some(h) = self.housekeeping {
+                let k = &mut config.housekeeping;
+                if let Some(t) = &h.interval {
+                    k.interval = duration("interval", t)?;
+                }
+                if let Some(t) = &h.expiry_delay {
+                    k.expiry_delay = duration("expiry_delay", t)?;
+                }
+                if let Some(t) = &h.expiring_soon {
+                    k.expiring_soon = duration("expiring_soon", t)?;
+                }
+                if let Some(n) = h.batch_size {
+                    k.batch_size = n;
+                }
+            }
+            Ok(config)
         }
     }
 
@@ -421,7 +631,8 @@ mod file {
                 .into_iter()
                 .map(|t| t.into_type().map_err(|e| Error::Config(format!("sequence `{name}`: {}", message(e)))))
                 .collect::<Result<_, _>>()?;
-            Ok(Sequence { name, retention, types })
+            let record_until = self.record_until.as_ref().map(|at| instant(&name, at)).transpose()?;
+            Ok(Sequence { name, retention, types, record_until })
         }
     }
 
@@ -480,6 +691,8 @@ mod tests {
     use super::*;
 
     const ORDER: &str = r#"
+        sub_type = "header:subtype"
+
         [[sequence]]
         name = "order"
         retention = "30d"

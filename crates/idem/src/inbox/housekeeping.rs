@@ -1,0 +1,236 @@
+//! Inbox housekeeping: close complete instances, run operator releases, delete expired instances (their claims
+//! go by cascade) after reporting what they still held, and publish the gauges. Every step works in bounded
+//! batches and skips rows a consumer holds.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::{Connection, PgConnection, Postgres, Row};
+
+use super::SequentialInbox;
+use super::process::Failure;
+use super::store;
+use crate::error::Error;
+use crate::handler::Handler;
+use crate::message::Message;
+use crate::store::{Backend, NewDeadLetter, decode_headers};
+
+/// What one housekeeping pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct HousekeepingReport {
+    /// Instances closed because every message type was processed.
+    pub closed: u64,
+    /// Messages an operator released (`idem inbox release`) that were handled.
+    pub released: u64,
+    /// Expired instances deleted, with their claims and messages.
+    pub deleted: u64,
+    /// WAITING or FAILED messages of deleted instances written to the dead-letter table.
+    pub reported: u64,
+}
+
+impl SequentialInbox {
+    /// One housekeeping pass; `handler` handles the messages an operator released.
+    pub async fn housekeep<H: Handler<Postgres>>(&self, handler: &H) -> Result<HousekeepingReport, Error> {
+        let closed = self.close_complete().await?;
+        let released = self.release_forced(handler).await?;
+        let (deleted, reported) = self.delete_expired().await?;
+        self.publish_gauges().await?;
+        Ok(HousekeepingReport { closed, released, deleted, reported })
+    }
+
+    /// Runs [`SequentialInbox::housekeep`] every interval; failures are logged and tried again next time.
+    pub(super) async fn housekeeping_loop<H: Handler<Postgres>>(self, handler: Arc<H>) {
+        loop {
+            tokio::time::sleep(self.config.housekeeping.interval).await;
+            match self.housekeep(handler.as_ref()).await {
+                Ok(report) if report != HousekeepingReport::default() => {
+                    tracing::info!(?report, "inbox housekeeping");
+                }
+                Ok(_) => {}
+                Err(error) => tracing::warn!(%error, "inbox housekeeping failed; trying again next interval"),
+            }
+        }
+    }
+
+    /// Closes OPEN instances whose every type was processed (an operator release can complete one).
+    async fn close_complete(&self) -> Result<u64, Error> {
+        let tables = &self.engine.config().tables;
+        let batch = i64::from(self.config.housekeeping.batch_size);
+        let sql = tables.render(
+            "UPDATE {t}sequence_instance SET status = 'CLOSED', closed_at = now()
+              WHERE id IN (SELECT i.id FROM {t}sequence_instance i
+                            WHERE i.sequence_name = $1 AND i.status = 'OPEN'
+                              AND (SELECT count(DISTINCT m.message_type) FROM {t}sequenced_message m
+                                    WHERE m.sequence_instance_id = i.id AND m.status = 'PROCESSED'
+                                      AND m.message_type = ANY($2)) = $3
+                            LIMIT $4 FOR UPDATE SKIP LOCKED)",
+        );
+        let mut closed = 0;
+        for sequence in &self.config.sequences {
+            let types: Vec<String> = sequence.types.iter().map(|t| t.qualified.to_string()).collect();
+            loop {
+                let done = sqlx::query(&sql)
+                    .bind(&sequence.name)
+                    .bind(&types)
+                    .bind(types.len() as i64)
+                    .bind(batch)
+                    .execute(self.engine.pool())
+                    .await?;
+                closed += done.rows_affected();
+                if done.rows_affected() < batch as u64 {
+                    break;
+                }
+            }
+        }
+        Ok(closed)
+    }
+
+    /// Handles the WAITING messages an operator released, instance by instance, under the instance lock.
+    async fn release_forced<H: Handler<Postgres>>(&self, handler: &H) -> Result<u64, Error> {
+        let tables = &self.engine.config().tables;
+        let sql = tables.render(
+            "SELECT DISTINCT i.id, i.sequence_name FROM {t}sequenced_message m
+               JOIN {t}sequence_instance i ON i.id = m.sequence_instance_id
+              WHERE m.status = 'WAITING' AND m.force_release
+              LIMIT $1",
+        );
+        let rows: Vec<(i64, String)> = sqlx::query_as(&sql)
+            .bind(i64::from(self.config.housekeeping.batch_size))
+            .fetch_all(self.engine.pool())
+            .await?;
+        let mut released = 0;
+        for (instance, name) in rows {
+            let Some(sequence) = self.config.sequences.iter().position(|s| s.name == name) else {
+                tracing::warn!(instance, sequence = %name, "released messages of a sequence this consumer does not declare; left waiting");
+                continue;
+            };
+            let mut conn = self.engine.pool().acquire().await?;
+            let mut tx = conn.begin().await?;
+            let Some(open) = store::lock_instance(&mut tx, tables, instance).await? else { continue };
+            let names = store::processed_types(&mut tx, tables, instance).await?;
+            let mut processed: HashSet<_> =
+                names.iter().filter_map(|n| super::QualifiedType::parse(n).ok()).collect();
+            let count = match self.release(&mut tx, sequence, instance, &mut processed, handler).await {
+                Ok(count) => count,
+                Err(Failure::Database(error)) => return Err(error.into()),
+                Err(_) => continue,
+            };
+            let types = &self.config.sequences[sequence].types;
+            if open && types.iter().all(|t| processed.contains(&t.qualified)) {
+                store::close(&mut tx, tables, instance).await?;
+            }
+            tx.commit().await?;
+            released += count as u64;
+        }
+        Ok(released)
+    }
+
+    /// Deletes instances past `retain_until` + `expiry_delay`, a batch per transaction; what they still held
+    /// WAITING or FAILED goes to the dead-letter table first, in the same transaction.
+    async fn delete_expired(&self) -> Result<(u64, u64), Error> {
+        let tables = &self.engine.config().tables;
+        let housekeeping = &self.config.housekeeping;
+        let expired = tables.render(
+            "SELECT id FROM {t}sequence_instance
+              WHERE retain_until < now() - make_interval(secs => $1)
+              ORDER BY retain_until LIMIT $2 FOR UPDATE SKIP LOCKED",
+        );
+        let delete = tables.render("DELETE FROM {t}sequence_instance WHERE id = ANY($1)");
+        let (mut deleted, mut reported) = (0u64, 0u64);
+        loop {
+            let mut conn = self.engine.pool().acquire().await?;
+            let mut tx = conn.begin().await?;
+            let ids: Vec<i64> = sqlx::query_scalar(&expired)
+                .bind(housekeeping.expiry_delay.as_secs_f64())
+                .bind(i64::from(housekeeping.batch_size))
+                .fetch_all(&mut *tx)
+                .await?;
+            if ids.is_empty() {
+                return Ok((deleted, reported));
+            }
+            reported += self.report_leftovers(&mut tx, &ids).await?;
+            deleted += sqlx::query(&delete).bind(&ids).execute(&mut *tx).await?.rows_affected();
+            tx.commit().await?;
+            if ids.len() < housekeeping.batch_size as usize {
+                return Ok((deleted, reported));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Writes every WAITING or FAILED message of `instances` to the dead-letter table, with a log line each.
+    async fn report_leftovers(&self, tx: &mut PgConnection, instances: &[i64]) -> Result<u64, Error> {
+        let config = self.engine.config();
+        let sql = config.tables.render(
+            r#"SELECT i.sequence_name, i.context_id, i.retain_until::text, m.message_type, m.idempotence_id,
+                      m.status, m.error, m.topic, m.partition, m."offset", m.key, m.payload, m.headers
+                 FROM {t}sequenced_message m JOIN {t}sequence_instance i ON i.id = m.sequence_instance_id
+                WHERE m.sequence_instance_id = ANY($1) AND m.status IN ('WAITING', 'FAILED')
+                ORDER BY m.id"#,
+        );
+        let rows = sqlx::query(&sql).bind(instances).fetch_all(&mut *tx).await?;
+        for row in &rows {
+            let (sequence, context, until): (String, String, String) = (row.get(0), row.get(1), row.get(2));
+            let (message_type, id, status): (String, String, String) = (row.get(3), row.get(4), row.get(5));
+            let error: Option<String> = row.get(6);
+            let message = Message {
+                topic: row.get(7),
+                partition: row.get(8),
+                offset: row.get(9),
+                key: row.get(10),
+                payload: row.get::<Option<Vec<u8>>, _>(11).unwrap_or_default(),
+                headers: decode_headers(row.get::<&str, _>(12)),
+                timestamp_ms: None,
+            };
+            let reason = match (status.as_str(), error) {
+                ("FAILED", Some(error)) => format!(
+                    "sequence `{sequence}` instance `{context}` expired (retain_until {until}) holding this \
+                     `{message_type}` message FAILED: {error}"
+                ),
+                _ => format!(
+                    "sequence `{sequence}` instance `{context}` expired (retain_until {until}) while this \
+                     `{message_type}` message was still WAITING for its release condition"
+                ),
+            };
+            tracing::warn!(sequence = %sequence, context_id = %context, message_type = %message_type, event_id = %id,
+                topic = %message.topic, partition = message.partition, offset = message.offset, status = %status,
+                "expired inbox instance still held this message: written to the dead-letter table");
+            let letter = NewDeadLetter { event_id: Some(&id), message: &message, error: &reason, attempts: 0 };
+            Postgres::dead_letter(tx, &config.tables, &config.group, &letter).await?;
+        }
+        Ok(rows.len() as u64)
+    }
+
+    /// Sets the gauges: waiting messages, oldest waiting age, instances expiring soon and expired, per sequence.
+    async fn publish_gauges(&self) -> Result<(), Error> {
+        let config = self.engine.config();
+        let pool = self.engine.pool();
+        let waiting = config.tables.render(
+            "SELECT i.sequence_name, count(*), EXTRACT(EPOCH FROM now() - min(m.received_at))::float8
+               FROM {t}sequenced_message m JOIN {t}sequence_instance i ON i.id = m.sequence_instance_id
+              WHERE m.status = 'WAITING' GROUP BY i.sequence_name",
+        );
+        let waiting: Vec<(String, i64, f64)> = sqlx::query_as(&waiting).fetch_all(pool).await?;
+        let expiring = config.tables.render(
+            "SELECT sequence_name, count(*) FILTER (WHERE retain_until >= now()), count(*) FILTER (WHERE retain_until < now())
+               FROM {t}sequence_instance WHERE retain_until < now() + make_interval(secs => $1)
+              GROUP BY sequence_name",
+        );
+        let expiring: Vec<(String, i64, i64)> = sqlx::query_as(&expiring)
+            .bind(self.config.housekeeping.expiring_soon.as_secs_f64())
+            .fetch_all(pool)
+            .await?;
+        for sequence in &self.config.sequences {
+            let labels = [("consumer_group", config.group.clone()), ("sequence", sequence.name.clone())];
+            let (count, oldest) =
+                waiting.iter().find(|w| w.0 == sequence.name).map_or((0, 0.0), |w| (w.1, w.2));
+            let (soon, expired) = expiring.iter().find(|e| e.0 == sequence.name).map_or((0, 0), |e| (e.1, e.2));
+            metrics::gauge!("inbox_waiting_messages", &labels).set(count as f64);
+            metrics::gauge!("inbox_oldest_waiting_age_seconds", &labels).set(oldest);
+            metrics::gauge!("inbox_instances_expiring_soon", &labels).set(soon as f64);
+            metrics::gauge!("inbox_instances_expired", &labels).set(expired as f64);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,266 @@
+//! The inbox's statements (PostgreSQL): instances, the claim, sequenced messages.
+
+use sqlx::{PgConnection, Row};
+
+use crate::message::Message;
+use crate::store::{Tables, decode_headers, encode_headers};
+
+/// The state of a sequenced message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Status {
+    Waiting,
+    Processed,
+    Failed,
+}
+
+impl Status {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Status::Waiting => "WAITING",
+            Status::Processed => "PROCESSED",
+            Status::Failed => "FAILED",
+        }
+    }
+
+    fn parse(text: &str) -> Option<Self> {
+        match text {
+            "WAITING" => Some(Status::Waiting),
+            "PROCESSED" => Some(Status::Processed),
+            "FAILED" => Some(Status::Failed),
+            _ => None,
+        }
+    }
+}
+
+/// A buffered message, as the release loop reads it back.
+pub(crate) struct Waiting {
+    pub id: i64,
+    pub message_type: String,
+    pub idempotence_id: String,
+    pub message: Message,
+    pub forced: bool,
+}
+
+/// Finds or creates the instance of (`sequence`, `context`), in autocommit: two consumers creating it at once
+/// both get the row that won the unique constraint. Returns its id.
+pub(crate) async fn resolve_instance(
+    conn: &mut PgConnection,
+    tables: &Tables,
+    sequence: &str,
+    context: &str,
+    retention_secs: f64,
+) -> Result<i64, sqlx::Error> {
+    let insert = tables.render(
+        "INSERT INTO {t}sequence_instance (sequence_name, context_id, retain_until)
+         VALUES ($1, $2, now() + make_interval(secs => $3))
+         ON CONFLICT (sequence_name, context_id) DO NOTHING RETURNING id",
+    );
+    let select = tables.render("SELECT id FROM {t}sequence_instance WHERE sequence_name = $1 AND context_id = $2");
+    loop {
+        // A new statement sees a row another transaction committed meanwhile; a deleted row means housekeeping
+        // removed the instance in between, and the insert is tried again.
+        let created: Option<i64> = sqlx::query_scalar(&insert)
+            .bind(sequence)
+            .bind(context)
+            .bind(retention_secs)
+            .fetch_optional(&mut *conn)
+            .await?;
+        if let Some(id) = created {
+            return Ok(id);
+        }
+        let existing: Option<i64> =
+            sqlx::query_scalar(&select).bind(sequence).bind(context).fetch_optional(&mut *conn).await?;
+        if let Some(id) = existing {
+            return Ok(id);
+        }
+    }
+}
+
+/// The claim of document 002, first statement of the processing transaction: true when this delivery won it.
+pub(crate) async fn claim(
+    conn: &mut PgConnection,
+    tables: &Tables,
+    message_type: &str,
+    idempotence_id: &str,
+    instance: i64,
+) -> Result<bool, sqlx::Error> {
+    let sql = tables.render(
+        "INSERT INTO {t}sequential_inbox_idempotence (message_type, idempotence_id, sequence_instance_id, created_at)
+         VALUES ($1, $2, $3, now())
+         ON CONFLICT (message_type, idempotence_id) DO NOTHING",
+    );
+    let done = sqlx::query(&sql).bind(message_type).bind(idempotence_id).bind(instance).execute(conn).await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Deletes a claim, so that a resend of a failed message can claim it again.
+pub(crate) async fn delete_claim(
+    conn: &mut PgConnection,
+    tables: &Tables,
+    message_type: &str,
+    idempotence_id: &str,
+) -> Result<(), sqlx::Error> {
+    let sql = tables
+        .render("DELETE FROM {t}sequential_inbox_idempotence WHERE message_type = $1 AND idempotence_id = $2");
+    sqlx::query(&sql).bind(message_type).bind(idempotence_id).execute(conn).await?;
+    Ok(())
+}
+
+/// Locks the instance row for the rest of the transaction; returns whether it is OPEN (`None`: it is gone).
+pub(crate) async fn lock_instance(
+    conn: &mut PgConnection,
+    tables: &Tables,
+    instance: i64,
+) -> Result<Option<bool>, sqlx::Error> {
+    let sql = tables.render("SELECT status FROM {t}sequence_instance WHERE id = $1 FOR UPDATE");
+    let status: Option<String> = sqlx::query_scalar(&sql).bind(instance).fetch_optional(conn).await?;
+    Ok(status.map(|s| s == "OPEN"))
+}
+
+/// The legacy lookup kept beside the claim: the newest stored row of this message in the instance.
+pub(crate) async fn existing(
+    conn: &mut PgConnection,
+    tables: &Tables,
+    instance: i64,
+    message_type: &str,
+    idempotence_id: &str,
+) -> Result<Option<(i64, Status)>, sqlx::Error> {
+    let sql = tables.render(
+        "SELECT id, status FROM {t}sequenced_message
+          WHERE idempotence_id = $1 AND message_type = $2 AND sequence_instance_id = $3
+          ORDER BY id DESC LIMIT 1",
+    );
+    let row = sqlx::query(&sql).bind(idempotence_id).bind(message_type).bind(instance).fetch_optional(conn).await?;
+    Ok(row.and_then(|r| Some((r.get::<i64, _>(0), Status::parse(r.get::<&str, _>(1))?))))
+}
+
+/// The types of the instance already processed.
+pub(crate) async fn processed_types(
+    conn: &mut PgConnection,
+    tables: &Tables,
+    instance: i64,
+) -> Result<Vec<String>, sqlx::Error> {
+    let sql = tables.render(
+        "SELECT DISTINCT message_type FROM {t}sequenced_message WHERE sequence_instance_id = $1 AND status = 'PROCESSED'",
+    );
+    sqlx::query_scalar(&sql).bind(instance).fetch_all(conn).await
+}
+
+/// Stores a message of the instance in `status`; `replaces` is the FAILED row a resend retries. A PROCESSED
+/// row keeps the message's position but not its bytes.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn record(
+    conn: &mut PgConnection,
+    tables: &Tables,
+    instance: i64,
+    message_type: &str,
+    idempotence_id: &str,
+    message: &Message,
+    status: Status,
+    replaces: Option<i64>,
+) -> Result<(), sqlx::Error> {
+    let keep_bytes = status != Status::Processed;
+    let processed_at = if status == Status::Processed { "now()" } else { "NULL" };
+    if let Some(id) = replaces {
+        let sql = tables.render(&format!(
+            r#"UPDATE {{t}}sequenced_message SET status = $2, topic = $3, partition = $4, "offset" = $5, key = $6,
+                      payload = $7, headers = $8, error = NULL, force_release = false, received_at = now(),
+                      processed_at = {processed_at}
+                WHERE id = $1"#
+        ));
+        sqlx::query(&sql)
+            .bind(id)
+            .bind(status.as_str())
+            .bind(&message.topic)
+            .bind(message.partition)
+            .bind(message.offset)
+            .bind(message.key.as_deref().filter(|_| keep_bytes))
+            .bind(keep_bytes.then_some(message.payload.as_slice()))
+            .bind(encode_headers(&message.headers))
+            .execute(conn)
+            .await?;
+        return Ok(());
+    }
+    let sql = tables.render(&format!(
+        r#"INSERT INTO {{t}}sequenced_message (sequence_instance_id, message_type, idempotence_id, status, topic,
+                  partition, "offset", key, payload, headers, processed_at)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, {processed_at})"#
+    ));
+    sqlx::query(&sql)
+        .bind(instance)
+        .bind(message_type)
+        .bind(idempotence_id)
+        .bind(status.as_str())
+        .bind(&message.topic)
+        .bind(message.partition)
+        .bind(message.offset)
+        .bind(message.key.as_deref().filter(|_| keep_bytes))
+        .bind(keep_bytes.then_some(message.payload.as_slice()))
+        .bind(encode_headers(&message.headers))
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// The WAITING messages of an instance, in the order they are considered for release: arrival, then row id.
+pub(crate) async fn waiting(conn: &mut PgConnection, tables: &Tables, instance: i64) -> Result<Vec<Waiting>, sqlx::Error> {
+    let sql = tables.render(
+        r#"SELECT id, message_type, idempotence_id, topic, partition, "offset", key, payload, headers, force_release
+             FROM {t}sequenced_message
+            WHERE sequence_instance_id = $1 AND status = 'WAITING'
+            ORDER BY received_at, id"#,
+    );
+    let rows = sqlx::query(&sql).bind(instance).fetch_all(conn).await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| Waiting {
+            id: r.get(0),
+            message_type: r.get(1),
+            idempotence_id: r.get(2),
+            message: Message {
+                topic: r.get(3),
+                partition: r.get(4),
+                offset: r.get(5),
+                key: r.get(6),
+                payload: r.get::<Option<Vec<u8>>, _>(7).unwrap_or_default(),
+                headers: decode_headers(r.get::<&str, _>(8)),
+                timestamp_ms: None,
+            },
+            forced: r.get(9),
+        })
+        .collect())
+}
+
+/// Marks a released message PROCESSED (its bytes are no longer needed).
+pub(crate) async fn mark_processed(conn: &mut PgConnection, tables: &Tables, id: i64) -> Result<(), sqlx::Error> {
+    let sql = tables.render(
+        "UPDATE {t}sequenced_message
+            SET status = 'PROCESSED', processed_at = now(), payload = NULL, key = NULL, force_release = false
+          WHERE id = $1",
+    );
+    sqlx::query(&sql).bind(id).execute(conn).await?;
+    Ok(())
+}
+
+/// Marks a released message FAILED with its reason and deletes its claim, in the caller's transaction.
+pub(crate) async fn mark_failed(
+    conn: &mut PgConnection,
+    tables: &Tables,
+    waiting: &Waiting,
+    reason: &str,
+) -> Result<(), sqlx::Error> {
+    let sql = tables.render(
+        "UPDATE {t}sequenced_message SET status = 'FAILED', error = $2, force_release = false WHERE id = $1",
+    );
+    sqlx::query(&sql).bind(waiting.id).bind(reason).execute(&mut *conn).await?;
+    delete_claim(conn, tables, &waiting.message_type, &waiting.idempotence_id).await
+}
+
+/// Closes the instance.
+pub(crate) async fn close(conn: &mut PgConnection, tables: &Tables, instance: i64) -> Result<(), sqlx::Error> {
+    let sql = tables.render(
+        "UPDATE {t}sequence_instance SET status = 'CLOSED', closed_at = now() WHERE id = $1 AND status = 'OPEN'",
+    );
+    sqlx::query(&sql).bind(instance).execute(conn).await?;
+    Ok(())
+}
