@@ -83,7 +83,12 @@ fn summary(row: &sqlx::postgres::PgRow) -> InstanceSummary {
 }
 
 /// Instances, oldest first, at most `limit`.
-pub async fn list(pool: &PgPool, tables: &Tables, filter: &ListFilter, limit: i64) -> Result<Vec<InstanceSummary>, Error> {
+pub async fn list(
+    pool: &PgPool,
+    tables: &Tables,
+    filter: &ListFilter,
+    limit: i64,
+) -> Result<Vec<InstanceSummary>, Error> {
     if let Some(status) = &filter.status
         && status != "OPEN"
         && status != "CLOSED"

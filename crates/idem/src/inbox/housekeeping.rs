@@ -109,8 +109,7 @@ impl SequentialInbox {
             let mut tx = conn.begin().await?;
             let Some(open) = store::lock_instance(&mut tx, tables, instance).await? else { continue };
             let names = store::processed_types(&mut tx, tables, instance).await?;
-            let mut processed: HashSet<_> =
-                names.iter().filter_map(|n| super::QualifiedType::parse(n).ok()).collect();
+            let mut processed: HashSet<_> = names.iter().filter_map(|n| super::QualifiedType::parse(n).ok()).collect();
             let count = match self.release(&mut tx, sequence, instance, &mut processed, handler).await {
                 Ok(count) => count,
                 Err(Failure::Database(error)) => return Err(error.into()),
@@ -223,8 +222,7 @@ impl SequentialInbox {
             .await?;
         for sequence in &self.config.sequences {
             let labels = [("consumer_group", config.group.clone()), ("sequence", sequence.name.clone())];
-            let (count, oldest) =
-                waiting.iter().find(|w| w.0 == sequence.name).map_or((0, 0.0), |w| (w.1, w.2));
+            let (count, oldest) = waiting.iter().find(|w| w.0 == sequence.name).map_or((0, 0.0), |w| (w.1, w.2));
             let (soon, expired) = expiring.iter().find(|e| e.0 == sequence.name).map_or((0, 0), |e| (e.1, e.2));
             metrics::gauge!("inbox_waiting_messages", &labels).set(count as f64);
             metrics::gauge!("inbox_oldest_waiting_age_seconds", &labels).set(oldest);

@@ -272,7 +272,8 @@ impl SequentialInbox {
         let Ok(name) = self.config.message_type.extract(&message) else { return Route::Direct(message) };
         let sub = self.config.sub_type.as_ref().and_then(|e| e.extract(&message).ok());
         let exact = sub.as_ref().map(|s| QualifiedType::with_sub_type(name.clone(), s.clone()));
-        let found = exact.as_ref().and_then(|q| self.index.get(q)).or_else(|| self.index.get(&QualifiedType::new(&name)));
+        let found =
+            exact.as_ref().and_then(|q| self.index.get(q)).or_else(|| self.index.get(&QualifiedType::new(&name)));
         let Some(&(s, t)) = found else {
             if let Some(family) = self.index.keys().find(|q| q.name == name && q.sub_type.is_some()) {
                 let sub_field = self.config.sub_type.as_ref().map(|e| format!("{e:?}")).unwrap_or_default();
@@ -296,7 +297,9 @@ impl SequentialInbox {
         }
         let Some(context) = message_type.context_id.extract(&message) else { return Route::Direct(message) };
         match self.engine.config().key.extract(&message) {
-            Ok(id) => Route::Sequenced(Sequenced { event: Event { id, message }, sequence: s, message_type: t, context }),
+            Ok(id) => {
+                Route::Sequenced(Sequenced { event: Event { id, message }, sequence: s, message_type: t, context })
+            }
             // The engine dead-letters a message without an idempotence id, naming the extractor.
             Err(_) => Route::Direct(message),
         }

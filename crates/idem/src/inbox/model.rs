@@ -484,8 +484,8 @@ mod file {
     use std::time::{Duration, SystemTime};
 
     use super::{Condition, ContextId, Filter, InboxConfig, InboxTransactions, MessageType, QualifiedType, Sequence};
-    use crate::key::KeyExtractor;
     use crate::error::Error;
+    use crate::key::KeyExtractor;
 
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
@@ -539,11 +539,9 @@ mod file {
             toml::value::Offset::Custom { minutes } => i64::from(minutes),
         };
         let days = days_from_civil(i64::from(date.year), i64::from(date.month), i64::from(date.day));
-        let seconds = days * 86_400
-            + i64::from(time.hour) * 3_600
-            + i64::from(time.minute) * 60
-            + i64::from(time.second)
-            - offset_minutes * 60;
+        let seconds =
+            days * 86_400 + i64::from(time.hour) * 3_600 + i64::from(time.minute) * 60 + i64::from(time.second)
+                - offset_minutes * 60;
         let seconds = u64::try_from(seconds).map_err(|_| bad())?;
         Ok(SystemTime::UNIX_EPOCH + Duration::new(seconds, time.nanosecond))
     }

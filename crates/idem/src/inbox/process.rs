@@ -193,10 +193,23 @@ impl SequentialInbox {
         let ready = recording || message_type.release.as_ref().is_none_or(|c| c.holds(&processed));
         let outcome = if ready {
             self.handle(handler, event, &mut tx).await.map_err(Failure::Handler)?;
-            store::record(&mut tx, tables, instance, &type_name, &event.id, &event.message, Status::Processed, replaces)
-                .await?;
+            store::record(
+                &mut tx,
+                tables,
+                instance,
+                &type_name,
+                &event.id,
+                &event.message,
+                Status::Processed,
+                replaces,
+            )
+            .await?;
             processed.insert(message_type.qualified.clone());
-            let released = if recording { 0 } else { self.release(&mut tx, sequenced.sequence, instance, &mut processed, handler).await? };
+            let released = if recording {
+                0
+            } else {
+                self.release(&mut tx, sequenced.sequence, instance, &mut processed, handler).await?
+            };
             if open && sequence.types.iter().all(|t| processed.contains(&t.qualified)) {
                 store::close(&mut tx, tables, instance).await?;
             }

@@ -100,8 +100,8 @@ pub(crate) async fn delete_claim(
     message_type: &str,
     idempotence_id: &str,
 ) -> Result<(), sqlx::Error> {
-    let sql = tables
-        .render("DELETE FROM {t}sequential_inbox_idempotence WHERE message_type = $1 AND idempotence_id = $2");
+    let sql =
+        tables.render("DELETE FROM {t}sequential_inbox_idempotence WHERE message_type = $1 AND idempotence_id = $2");
     sqlx::query(&sql).bind(message_type).bind(idempotence_id).execute(conn).await?;
     Ok(())
 }
@@ -203,7 +203,11 @@ pub(crate) async fn record(
 }
 
 /// The WAITING messages of an instance, in the order they are considered for release: arrival, then row id.
-pub(crate) async fn waiting(conn: &mut PgConnection, tables: &Tables, instance: i64) -> Result<Vec<Waiting>, sqlx::Error> {
+pub(crate) async fn waiting(
+    conn: &mut PgConnection,
+    tables: &Tables,
+    instance: i64,
+) -> Result<Vec<Waiting>, sqlx::Error> {
     let sql = tables.render(
         r#"SELECT id, message_type, idempotence_id, topic, partition, "offset", key, payload, headers, force_release
              FROM {t}sequenced_message
@@ -249,9 +253,8 @@ pub(crate) async fn mark_failed(
     waiting: &Waiting,
     reason: &str,
 ) -> Result<(), sqlx::Error> {
-    let sql = tables.render(
-        "UPDATE {t}sequenced_message SET status = 'FAILED', error = $2, force_release = false WHERE id = $1",
-    );
+    let sql = tables
+        .render("UPDATE {t}sequenced_message SET status = 'FAILED', error = $2, force_release = false WHERE id = $1");
     sqlx::query(&sql).bind(waiting.id).bind(reason).execute(&mut *conn).await?;
     delete_claim(conn, tables, &waiting.message_type, &waiting.idempotence_id).await
 }
