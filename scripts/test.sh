@@ -32,6 +32,10 @@ if [ -z "${IDEM_KAFKA_BROKERS:-}" ]; then
 fi
 cargo test --workspace --all-targets "$@"
 cargo test --workspace --doc
+# The examples run to their end and check their own results (order_sequence on PostgreSQL).
+cargo run --quiet -p idem --example credit
+IDEM_DATABASE_URL="${IDEM_EXAMPLE_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}" \
+  cargo run --quiet -p idem --example order_sequence
 # The benchmark's small version: every leg runs and every ledger total is right (speeds are not checked).
 # The Kafka leg is left to the Kafka tests above: the loopback broker delivers a few hundred messages a second.
 venv="${IDEM_BENCH_VENV:-$HOME/.cache/idem-tools/bench-venv}"

@@ -6,6 +6,7 @@ mod commands;
 mod db;
 mod demo;
 mod http;
+mod inbox;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -105,6 +106,9 @@ enum Command {
     /// The marker table's layout: show it, or convert between plain and partitioned (PostgreSQL).
     #[command(subcommand)]
     Markers(MarkersCommand),
+    /// The Sequential Inbox: list, show, close or release sequence instances (PostgreSQL).
+    #[command(subcommand)]
+    Inbox(inbox::InboxCommand),
 }
 
 #[derive(Subcommand)]
@@ -212,6 +216,7 @@ fn main() -> ExitCode {
             }
             Command::Bench(args) => bench::run(args).await,
             Command::BenchConsume(args) => bench::consume(args).await,
+            Command::Inbox(command) => inbox::run(command).await,
             Command::Markers(MarkersCommand::Layout { db }) => commands::markers_layout(&db).await,
             Command::Markers(MarkersCommand::Convert { db, to, period, create_ahead }) => {
                 let period = (to == "partitioned").then_some(period);

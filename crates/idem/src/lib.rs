@@ -44,6 +44,7 @@
 //!   idempotency key comes from ([`KeyExtractor`]).
 //! * [`store`]: the database seam ([`Backend`]) with its PostgreSQL and SQLite modules and migrations.
 //! * [`source`]: the broker seam ([`Source`], [`Publisher`]) and its contract; [`log`]: the embedded log.
+//! * [`inbox`]: the Sequential Inbox (PostgreSQL): per-context ordering with buffering and a concurrent-safe claim.
 //! * [`gap`]: lost-event detection from producer sequence numbers.
 //! * [`prune`]: bounded, lock-friendly pruning of markers.
 //! * [`dead_letter`]: listing and replaying dead letters. [`fault`]: crash injection for tests and the demo.

@@ -744,6 +744,28 @@ mod tests {
     }
 
     #[test]
+    fn nested_conditions_and_recording_parse() {
+        let nested = ORDER
+            .replace(
+                r#"release = { all = [{ predecessor = "OrderValidated/stock" }, { predecessor = "OrderValidated/payment" }] }"#,
+                r#"release = { all = [{ predecessor = "OrderValidated/stock" }, { any = [{ predecessor = "OrderCreated" }] }] }"#,
+            )
+            .replace("retention = \"30d\"", "retention = \"30d\"\nrecord_until = 2026-12-01T01:00:00+01:00");
+        let config = InboxConfig::from_toml(&nested).unwrap();
+        let order = &config.sequences[0];
+        let midnight = SystemTime::UNIX_EPOCH + Duration::from_secs(1_796_083_200); // 2026-12-01T00:00:00Z
+        assert_eq!(order.record_until, Some(midnight));
+        assert!(order.recording(midnight - Duration::from_secs(1)));
+        assert!(!order.recording(midnight));
+        let shipped = order.types.iter().find(|t| t.qualified.name == "OrderShipped").unwrap();
+        let done: HashSet<QualifiedType> =
+            [QualifiedType::new("OrderCreated"), QualifiedType::with_sub_type("OrderValidated", "stock")].into();
+        assert!(shipped.release.as_ref().unwrap().holds(&done));
+        let local = nested.replace("2026-12-01T01:00:00+01:00", "2026-12-01");
+        assert!(error_of(&local).contains("needs a date, a time and an offset"), "{}", error_of(&local));
+    }
+
+    #[test]
     fn validation_names_the_problem() {
         let one_type = r#"[[sequence]]
             name = "s"
