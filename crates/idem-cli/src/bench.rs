@@ -237,6 +237,15 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
             legs.push(Leg::new(name, runs));
         }
     }
+    let name = "idem Sequential Inbox, 4 partition(s), released on arrival".to_owned();
+    if wanted(&name) {
+        progress(&name);
+        let mut runs = Vec::new();
+        for _ in 0..args.runs {
+            runs.push(inbox_leg(&pool, &args, &work, 4).await?);
+        }
+        legs.push(Leg::new(name, runs));
+    }
     for batch in [100usize, 1_000] {
         for kind in [HandlerKind::PerMessage, HandlerKind::Batch] {
             let name = format!("idem batched {batch}, {}", kind.label());
@@ -324,6 +333,11 @@ fn ratios(legs: &[Leg]) -> Vec<(String, f64)> {
             median(&format!("pgbench per-event, {n} client(s)")),
         );
     }
+    ratio(
+        "idem Sequential Inbox ÷ idem per-event, 4".into(),
+        median("idem Sequential Inbox, 4 partition(s), released on arrival"),
+        median("idem per-event, 4 partition(s)"),
+    );
     let reference = median("reference handler (Python, psycopg 3)");
     for batch in [100, 1_000] {
         let per_message = median(&format!("idem batched {batch}, per-message handler"));
@@ -346,7 +360,8 @@ fn ratios(legs: &[Leg]) -> Vec<(String, f64)> {
 /// Recreates the leg's tables: accounts at zero, idem's marker tables empty.
 async fn fresh_tables(pool: &PgPool, accounts: i64) -> anyhow::Result<Tables> {
     for sql in [
-        "DROP TABLE IF EXISTS bench_processed_events, bench_dead_letters, bench_idem_migrations, bench_accounts CASCADE",
+        "DROP TABLE IF EXISTS bench_processed_events, bench_dead_letters, bench_idem_migrations, bench_accounts, \
+         bench_sequence_instance, bench_sequenced_message, bench_sequential_inbox_idempotence CASCADE",
         "DROP SEQUENCE IF EXISTS bench_seq",
         "CREATE SEQUENCE bench_seq",
         "CREATE TABLE bench_accounts (id bigint PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)",
@@ -581,6 +596,47 @@ async fn idem_leg(
         bail!("idem leg: processed {} of {} events", stats.processed, work.unique);
     }
     check_ledger(pool, "idem", work.expected_total, work.unique as i64).await?;
+    Ok(work.deliveries.len() as f64 / seconds)
+}
+
+/// The Sequential Inbox on the same events: each payment is a `Credit` of the sequence of its account, released
+/// on arrival, so every event pays the inbox's whole path (instance, claim, lock, lookup, record, release scan).
+async fn inbox_leg(pool: &PgPool, args: &BenchArgs, work: &Workload, partitions: i32) -> anyhow::Result<f64> {
+    let tables = fresh_tables(pool, args.accounts).await?;
+    let engine_pool = idem::postgres::connect(&args.database_url, partitions as u32 + 2).await?;
+    let config = Config::new(GROUP, KeyExtractor::JsonPointer("/id".into())).batch_size(1).tables(tables);
+    let sequences = r#"
+        [[sequence]]
+        name = "account"
+        retention = "1d"
+        [[sequence.type]]
+        name = "Credit"
+        context_id = "json:/account"
+        [[sequence.type]]
+        name = "AccountClosed"
+        context_id = "json:/account"
+        release = { predecessor = "Credit" }
+    "#;
+    let inbox = idem::inbox::SequentialInbox::new(
+        Engine::new(engine_pool.clone(), config)?,
+        idem::inbox::InboxConfig::from_toml(sequences)?,
+    )?;
+    let messages = messages(work, partitions).into_iter().map(|m| m.with_header("type", "Credit")).collect();
+    let source = MemorySource(Mutex::new(messages));
+    let started = Instant::now();
+    inbox.run(source, CreditEach, std::future::pending::<()>()).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    engine_pool.close().await;
+    let stats = inbox.stats();
+    if stats.processed != work.unique {
+        bail!("inbox leg: processed {} of {} events", stats.processed, work.unique);
+    }
+    check_ledger(pool, "inbox", work.expected_total, 0).await?;
+    let claims: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM bench_sequential_inbox_idempotence").fetch_one(pool).await?;
+    if claims != work.unique as i64 {
+        bail!("inbox leg: {claims} claims for {} events", work.unique);
+    }
     Ok(work.deliveries.len() as f64 / seconds)
 }
 

@@ -179,7 +179,8 @@ impl SequentialInbox {
         let Some(open) = store::lock_instance(&mut tx, tables, instance).await? else {
             return Err(Failure::InstanceGone);
         };
-        let replaces = match store::existing(&mut tx, tables, instance, &type_name, &event.id).await? {
+        let state = store::state(&mut tx, tables, instance, &type_name, &event.id).await?;
+        let replaces = match state.existing {
             // Stored before claims existed, or by a consumer whose claim was lost: already handled or buffered.
             Some((_, Status::Processed | Status::Waiting)) => {
                 tx.commit().await?;
@@ -188,7 +189,8 @@ impl SequentialInbox {
             Some((id, Status::Failed)) => Some(id),
             None => None,
         };
-        let mut processed = self.processed_types(&mut tx, instance).await?;
+        let mut processed: HashSet<QualifiedType> =
+            state.processed.iter().filter_map(|n| QualifiedType::parse(n).ok()).collect();
         let recording = sequence.recording(SystemTime::now());
         let ready = recording || message_type.release.as_ref().is_none_or(|c| c.holds(&processed));
         let outcome = if ready {
@@ -205,7 +207,7 @@ impl SequentialInbox {
             )
             .await?;
             processed.insert(message_type.qualified.clone());
-            let released = if recording {
+            let released = if recording || state.waiting == 0 {
                 0
             } else {
                 self.release(&mut tx, sequenced.sequence, instance, &mut processed, handler).await?
@@ -238,12 +240,6 @@ impl SequentialInbox {
         }
         tx.commit().await?;
         Ok(outcome)
-    }
-
-    /// The instance's processed types, as qualified types.
-    async fn processed_types(&self, tx: &mut PgConnection, instance: i64) -> Result<HashSet<QualifiedType>, Failure> {
-        let names = store::processed_types(tx, &self.engine.config().tables, instance).await?;
-        Ok(names.iter().filter_map(|n| QualifiedType::parse(n).ok()).collect())
     }
 
     /// Runs the handler for the message being delivered, in the claim transaction or in one of its own.

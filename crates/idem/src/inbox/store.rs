@@ -57,8 +57,13 @@ pub(crate) async fn resolve_instance(
     );
     let select = tables.render("SELECT id FROM {t}sequence_instance WHERE sequence_name = $1 AND context_id = $2");
     loop {
-        // A new statement sees a row another transaction committed meanwhile; a deleted row means housekeeping
-        // removed the instance in between, and the insert is tried again.
+        // Most messages find their instance: a read, no commit. A new statement sees a row another transaction
+        // committed meanwhile; none found after a conflict means housekeeping deleted it in between: try again.
+        let existing: Option<i64> =
+            sqlx::query_scalar(&select).bind(sequence).bind(context).fetch_optional(&mut *conn).await?;
+        if let Some(id) = existing {
+            return Ok(id);
+        }
         let created: Option<i64> = sqlx::query_scalar(&insert)
             .bind(sequence)
             .bind(context)
@@ -66,11 +71,6 @@ pub(crate) async fn resolve_instance(
             .fetch_optional(&mut *conn)
             .await?;
         if let Some(id) = created {
-            return Ok(id);
-        }
-        let existing: Option<i64> =
-            sqlx::query_scalar(&select).bind(sequence).bind(context).fetch_optional(&mut *conn).await?;
-        if let Some(id) = existing {
             return Ok(id);
         }
     }
@@ -117,21 +117,40 @@ pub(crate) async fn lock_instance(
     Ok(status.map(|s| s == "OPEN"))
 }
 
-/// The legacy lookup kept beside the claim: the newest stored row of this message in the instance.
-pub(crate) async fn existing(
+/// What the decision needs once the instance is locked, read in one statement (so with a snapshot taken after
+/// the lock was granted): the legacy lookup of this message (its newest row), the processed types, and how
+/// many messages wait.
+pub(crate) struct InstanceState {
+    pub existing: Option<(i64, Status)>,
+    pub processed: Vec<String>,
+    pub waiting: i64,
+}
+
+pub(crate) async fn state(
     conn: &mut PgConnection,
     tables: &Tables,
     instance: i64,
     message_type: &str,
     idempotence_id: &str,
-) -> Result<Option<(i64, Status)>, sqlx::Error> {
+) -> Result<InstanceState, sqlx::Error> {
     let sql = tables.render(
-        "SELECT id, status FROM {t}sequenced_message
-          WHERE idempotence_id = $1 AND message_type = $2 AND sequence_instance_id = $3
-          ORDER BY id DESC LIMIT 1",
+        "SELECT e.id, e.status,
+                ARRAY(SELECT DISTINCT message_type FROM {t}sequenced_message
+                       WHERE sequence_instance_id = $3 AND status = 'PROCESSED'),
+                (SELECT count(*) FROM {t}sequenced_message WHERE sequence_instance_id = $3 AND status = 'WAITING')
+           FROM (SELECT 1) one
+           LEFT JOIN LATERAL (SELECT id, status FROM {t}sequenced_message
+                               WHERE idempotence_id = $1 AND message_type = $2 AND sequence_instance_id = $3
+                               ORDER BY id DESC LIMIT 1) e ON true",
     );
-    let row = sqlx::query(&sql).bind(idempotence_id).bind(message_type).bind(instance).fetch_optional(conn).await?;
-    Ok(row.and_then(|r| Some((r.get::<i64, _>(0), Status::parse(r.get::<&str, _>(1))?))))
+    let row = sqlx::query(&sql).bind(idempotence_id).bind(message_type).bind(instance).fetch_one(conn).await?;
+    let id: Option<i64> = row.get(0);
+    let status: Option<String> = row.get(1);
+    Ok(InstanceState {
+        existing: id.zip(status.as_deref().and_then(Status::parse)),
+        processed: row.get(2),
+        waiting: row.get(3),
+    })
 }
 
 /// The types of the instance already processed.
