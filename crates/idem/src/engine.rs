@@ -325,6 +325,11 @@ impl<DB: Backend> Engine<DB> {
         &self.inner.pool
     }
 
+    /// The fault injection armed at start-up (`IDEM_FAULT`).
+    pub(crate) fn faults(&self) -> &Faults {
+        &self.inner.faults
+    }
+
     /// What a readiness probe needs: whether [`Engine::run`] is consuming, draining, and on how many partitions.
     pub fn health(&self) -> Health {
         Health {

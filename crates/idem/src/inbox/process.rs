@@ -11,6 +11,7 @@ use super::store::{self, Status, Waiting};
 use super::{InboxOutcome, InboxTransactions, QualifiedType, Route, Sequenced, SequentialInbox};
 use crate::engine::{Engine, PerMessageRef, Process};
 use crate::error::{Error, HandlerError, Retry, classify};
+use crate::fault::FaultPoint;
 use crate::handler::Handler;
 use crate::message::{Event, Message};
 use crate::store::{Backend, NewDeadLetter};
@@ -238,7 +239,9 @@ impl SequentialInbox {
                 ))));
             }
         }
+        self.engine.faults().reached(FaultPoint::BeforeCommit);
         tx.commit().await?;
+        self.engine.faults().reached(FaultPoint::AfterCommit);
         Ok(outcome)
     }
 
