@@ -32,7 +32,7 @@ pub enum InboxCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Show one instance and its messages: by id, or by --sequence and --context.
+    /// Show one instance and its messages, in arrival order: by id, or by --sequence and --context.
     Show {
         #[command(flatten)]
         db: DbArgs,
@@ -123,8 +123,9 @@ pub async fn run(command: InboxCommand) -> anyhow::Result<ExitCode> {
                 for m in &messages {
                     let forced = if m.force_release { " (released by an operator)" } else { "" };
                     let error = m.error.as_deref().map(|e| format!(": {e}")).unwrap_or_default();
+                    let handled = m.processed_at.as_deref().map(|at| format!(", handled {at}")).unwrap_or_default();
                     println!(
-                        "  {:>8} {:<9} {:<28} {:<24} {} {}{forced}{error}",
+                        "  {:>8} {:<9} {:<28} {:<24} {}  arrived {}{handled}{forced}{error}",
                         m.id, m.status, m.message_type, m.idempotence_id, m.position, m.received_at
                     );
                 }

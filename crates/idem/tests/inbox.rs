@@ -290,9 +290,14 @@ async fn a_waiting_delivery_takes_over_when_the_winner_rolls_back() {
 
 #[tokio::test]
 async fn a_buffered_message_failing_later_is_failed_and_a_resend_succeeds() {
+    buffered_failure(InboxTransactions::Shared).await;
+    buffered_failure(InboxTransactions::Separate).await;
+}
+
+async fn buffered_failure(mode: InboxTransactions) {
     let db = pg().await;
     setup(&db.pool).await;
-    let inbox = inbox_on(&db.pool, SEQUENCES, InboxTransactions::Shared).await;
+    let inbox = inbox_on(&db.pool, SEQUENCES, mode).await;
     let log = Log::default();
     log.poisoned.lock().unwrap().insert("f2".into());
     assert_eq!(one(&inbox, order("OrderValidated/stock", "o6", "f2"), &log).await, InboxOutcome::Buffered);

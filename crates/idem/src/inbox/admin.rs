@@ -47,6 +47,8 @@ pub struct StoredMessage {
     pub force_release: bool,
     /// When it arrived (RFC 3339).
     pub received_at: String,
+    /// When it was handled (RFC 3339), if it was.
+    pub processed_at: Option<String>,
 }
 
 /// Which instances [`list`] returns.
@@ -128,7 +130,8 @@ pub async fn show(
     let Some(row) = sqlx::query(&sql).bind(id).fetch_optional(pool).await? else { return Ok(None) };
     let messages = tables.render(
         r#"SELECT id, message_type, idempotence_id, status, topic || '/' || partition || '/' || "offset", error,
-                  force_release, to_char(received_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
+                  force_release, to_char(received_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"'),
+                  to_char(processed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
              FROM {t}sequenced_message WHERE sequence_instance_id = $1 ORDER BY received_at, id"#,
     );
     let rows = sqlx::query(&messages).bind(id).fetch_all(pool).await?;
@@ -143,6 +146,7 @@ pub async fn show(
             error: r.get(5),
             force_release: r.get(6),
             received_at: r.get(7),
+            processed_at: r.get(8),
         })
         .collect();
     Ok(Some((summary(&row), messages)))

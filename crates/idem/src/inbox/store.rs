@@ -179,7 +179,7 @@ pub(crate) async fn record(
     replaces: Option<i64>,
 ) -> Result<(), sqlx::Error> {
     let keep_bytes = status != Status::Processed;
-    let processed_at = if status == Status::Processed { "now()" } else { "NULL" };
+    let processed_at = if status == Status::Processed { "clock_timestamp()" } else { "NULL" };
     if let Some(id) = replaces {
         let sql = tables.render(&format!(
             r#"UPDATE {{t}}sequenced_message SET status = $2, topic = $3, partition = $4, "offset" = $5, key = $6,
@@ -258,7 +258,7 @@ pub(crate) async fn waiting(
 pub(crate) async fn mark_processed(conn: &mut PgConnection, tables: &Tables, id: i64) -> Result<(), sqlx::Error> {
     let sql = tables.render(
         "UPDATE {t}sequenced_message
-            SET status = 'PROCESSED', processed_at = now(), payload = NULL, key = NULL, force_release = false
+            SET status = 'PROCESSED', processed_at = clock_timestamp(), payload = NULL, key = NULL, force_release = false
           WHERE id = $1",
     );
     sqlx::query(&sql).bind(id).execute(conn).await?;
