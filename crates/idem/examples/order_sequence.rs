@@ -14,35 +14,8 @@ use idem::log::{ConsumerOptions, EmbeddedLog};
 use idem::{Config, Engine, Event, Handler, HandlerError, KeyExtractor, Tables};
 use sqlx::PgConnection;
 
-const SEQUENCES: &str = r#"
-message_type = "header:type"
-sub_type = "header:subtype"
-
-[[sequence]]
-name = "order"
-retention = "30d"
-
-[[sequence.type]]
-name = "OrderCreated"
-context_id = "json:/orderId"
-
-[[sequence.type]]
-name = "OrderValidated"
-sub_type = "stock"
-context_id = "json:/orderId"
-release = { predecessor = "OrderCreated" }
-
-[[sequence.type]]
-name = "OrderValidated"
-sub_type = "payment"
-context_id = "json:/orderId"
-release = { predecessor = "OrderCreated" }
-
-[[sequence.type]]
-name = "OrderShipped"
-context_id = "json:/orderId"
-release = { all = [{ predecessor = "OrderValidated/stock" }, { predecessor = "OrderValidated/payment" }] }
-"#;
+/// The sequence, as a deployment would keep it in a file.
+const SEQUENCES: &str = include_str!("order_sequence.toml");
 
 /// Appends each handled event to the order's history, in the inbox's transaction.
 struct History;

@@ -13,36 +13,12 @@ use idem::inbox::{InboxConfig, InboxOutcome, InboxTransactions, SequentialInbox,
 use idem::{Config, Engine, Event, Handler, HandlerError, KeyExtractor, Message, Outcome};
 use sqlx::PgConnection;
 
-const SEQUENCES: &str = r#"
-sub_type = "header:subtype"
-
+/// The example's order sequence, and a ticket sequence with an `any` condition and a one-second retention.
+const SEQUENCES: &str = concat!(
+    include_str!("../examples/order_sequence.toml"),
+    r#"
 [housekeeping]
 expiry_delay = "0s"
-
-[[sequence]]
-name = "order"
-retention = "30d"
-
-[[sequence.type]]
-name = "OrderCreated"
-context_id = "json:/orderId"
-
-[[sequence.type]]
-name = "OrderValidated"
-sub_type = "stock"
-context_id = "json:/orderId"
-release = { predecessor = "OrderCreated" }
-
-[[sequence.type]]
-name = "OrderValidated"
-sub_type = "payment"
-context_id = "json:/orderId"
-release = { predecessor = "OrderCreated" }
-
-[[sequence.type]]
-name = "OrderShipped"
-context_id = "json:/orderId"
-release = { all = [{ predecessor = "OrderValidated/stock" }, { predecessor = "OrderValidated/payment" }] }
 
 [[sequence]]
 name = "ticket"
@@ -66,7 +42,8 @@ release = { predecessor = "TicketOpened" }
 name = "TicketClosed"
 context_id = "json:/ticketId"
 release = { any = [{ predecessor = "EscalatedByMail" }, { predecessor = "EscalatedByPhone" }] }
-"#;
+"#
+);
 
 /// Logs every handled message in `handled` (in the handler's transaction) and fails on demand.
 #[derive(Default)]
@@ -462,6 +439,7 @@ async fn an_invalid_inbox_is_refused_before_anything_runs() {
     let config = Config::new("orders", KeyExtractor::JsonPointer("/eventId".into()));
     let engine = Engine::new(db.pool.clone(), config).unwrap();
     let no_sub_type_field = SEQUENCES.replace("sub_type = \"header:subtype\"\n", "");
+    assert_ne!(no_sub_type_field, SEQUENCES);
     let error = InboxConfig::from_toml(&no_sub_type_field).unwrap_err().to_string();
     assert!(error.contains("`sub_type`"), "{error}");
     let error = SequentialInbox::new(engine, InboxConfig::new()).err().unwrap().to_string();

@@ -19,34 +19,7 @@ use sqlx::PgConnection;
 const LOG_ENV: &str = "IDEM_INBOX_CRASH_LOG";
 const DB_ENV: &str = "IDEM_INBOX_CRASH_DB";
 
-const SEQUENCES: &str = r#"
-sub_type = "header:subtype"
-
-[[sequence]]
-name = "order"
-retention = "30d"
-
-[[sequence.type]]
-name = "OrderCreated"
-context_id = "json:/orderId"
-
-[[sequence.type]]
-name = "OrderValidated"
-sub_type = "stock"
-context_id = "json:/orderId"
-release = { predecessor = "OrderCreated" }
-
-[[sequence.type]]
-name = "OrderValidated"
-sub_type = "payment"
-context_id = "json:/orderId"
-release = { predecessor = "OrderCreated" }
-
-[[sequence.type]]
-name = "OrderShipped"
-context_id = "json:/orderId"
-release = { all = [{ predecessor = "OrderValidated/stock" }, { predecessor = "OrderValidated/payment" }] }
-"#;
+const SEQUENCES: &str = include_str!("../examples/order_sequence.toml");
 
 struct History;
 
