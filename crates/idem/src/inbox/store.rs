@@ -180,30 +180,18 @@ pub(crate) async fn record(
 ) -> Result<(), sqlx::Error> {
     let keep_bytes = status != Status::Processed;
     let processed_at = if status == Status::Processed { "clock_timestamp()" } else { "NULL" };
-    if let Some(id) = replaces {
-        let sql = tables.render(&format!(
-            r#"UPDATE {{t}}sequenced_message SET status = $2, topic = $3, partition = $4, "offset" = $5, key = $6,
-                      payload = $7, headers = $8, error = NULL, force_release = false, received_at = now(),
-                      processed_at = {processed_at}
-                WHERE id = $1"#
-        ));
-        sqlx::query(&sql)
-            .bind(id)
-            .bind(status.as_str())
-            .bind(&message.topic)
-            .bind(message.partition)
-            .bind(message.offset)
-            .bind(message.key.as_deref().filter(|_| keep_bytes))
-            .bind(keep_bytes.then_some(message.payload.as_slice()))
-            .bind(encode_headers(&message.headers))
-            .execute(conn)
-            .await?;
-        return Ok(());
-    }
+    // The FAILED row a resend retries is updated in place; otherwise a row is added.
     let sql = tables.render(&format!(
-        r#"INSERT INTO {{t}}sequenced_message (sequence_instance_id, message_type, idempotence_id, status, topic,
+        r#"WITH replaced AS (
+               UPDATE {{t}}sequenced_message SET status = $4, topic = $5, partition = $6, "offset" = $7, key = $8,
+                      payload = $9, headers = $10, error = NULL, force_release = false, received_at = now(),
+                      processed_at = {processed_at}
+                WHERE id = $11
+               RETURNING id)
+           INSERT INTO {{t}}sequenced_message (sequence_instance_id, message_type, idempotence_id, status, topic,
                   partition, "offset", key, payload, headers, processed_at)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, {processed_at})"#
+           SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, {processed_at}
+            WHERE NOT EXISTS (SELECT 1 FROM replaced)"#
     ));
     sqlx::query(&sql)
         .bind(instance)
@@ -216,6 +204,7 @@ pub(crate) async fn record(
         .bind(message.key.as_deref().filter(|_| keep_bytes))
         .bind(keep_bytes.then_some(message.payload.as_slice()))
         .bind(encode_headers(&message.headers))
+        .bind(replaces)
         .execute(conn)
         .await?;
     Ok(())
