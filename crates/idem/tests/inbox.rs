@@ -55,6 +55,8 @@ struct Log {
     flaky: Mutex<HashSet<String>>,
     /// Sleep inside the transaction before writing.
     sleep: Mutex<Duration>,
+    /// Event ids whose handling runs a failing statement and ignores its error.
+    swallow: Mutex<HashSet<String>>,
 }
 
 impl Handler<sqlx::Postgres> for Log {
@@ -69,6 +71,9 @@ impl Handler<sqlx::Postgres> for Log {
             .bind(type_of(&event.message))
             .execute(&mut *tx)
             .await?;
+        if self.swallow.lock().unwrap().contains(&event.id) {
+            let _ = sqlx::query("SELECT 1/0").execute(&mut *tx).await;
+        }
         if self.flaky.lock().unwrap().remove(&event.id) {
             return Err(HandlerError::retryable("flaky"));
         }
@@ -306,7 +311,8 @@ async fn an_immediate_failure_rolls_the_claim_back_and_dead_letters_the_message(
     log.poisoned.lock().unwrap().insert("p1".into());
     assert_eq!(one(&inbox, order("OrderCreated", "o7", "p1"), &log).await, InboxOutcome::DeadLettered);
     assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM sequential_inbox_idempotence").await, 0);
-    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM dead_letters WHERE event_id = 'p1'").await, 1);
+    let reason: String = sqlx::query_scalar("SELECT error FROM dead_letters").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(reason, "`OrderCreated` p1: poisoned");
     assert!(handled(&db.pool).await.is_empty());
     log.poisoned.lock().unwrap().clear();
     assert_eq!(one(&inbox, order("OrderCreated", "o7", "p1"), &log).await, InboxOutcome::Processed { released: 0 });
@@ -353,11 +359,9 @@ async fn housekeeping_deletes_expired_instances_with_their_claims_and_reports_wa
     assert_eq!((report.deleted, report.reported), (2, 1), "{report:?}");
     assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM sequence_instance").await, 1);
     assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM sequential_inbox_idempotence").await, 1, "claims cascade");
-    let reason: String =
-        sqlx::query_scalar("SELECT error FROM dead_letters WHERE event_id = 'h2'").fetch_one(&db.pool).await.unwrap();
+    let reason: String = sqlx::query_scalar("SELECT error FROM dead_letters").fetch_one(&db.pool).await.unwrap();
     assert!(reason.contains("still WAITING") && reason.contains("`ticket`"), "{reason}");
-    let payload: Vec<u8> =
-        sqlx::query_scalar("SELECT payload FROM dead_letters WHERE event_id = 'h2'").fetch_one(&db.pool).await.unwrap();
+    let payload: Vec<u8> = sqlx::query_scalar("SELECT payload FROM dead_letters").fetch_one(&db.pool).await.unwrap();
     assert!(String::from_utf8_lossy(&payload).contains("\"ticketId\":\"t3\""), "the message's bytes are kept");
     // The retention boundary: with its history gone, a duplicate is handled as new.
     assert_eq!(one(&inbox, order("TicketOpened", "t2", "h1"), &log).await, InboxOutcome::Processed { released: 0 });
@@ -466,4 +470,47 @@ async fn historical_duplicate_rows_do_not_block_the_lookup() {
         one(&inbox, order("OrderValidated/stock", "o12", "new1"), &log).await,
         InboxOutcome::Processed { released: 0 }
     );
+}
+
+#[tokio::test]
+async fn messages_of_one_context_delivered_at_once_queue_on_the_instance_without_deadlocks() {
+    let db = pg().await;
+    setup(&db.pool).await;
+    let deadlocks = "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()";
+    let log = std::sync::Arc::new(Log::default());
+    *log.sleep.lock().unwrap() = Duration::from_millis(20);
+    let first = inbox_on(&db.pool, SEQUENCES, InboxTransactions::Shared).await;
+    one(&first, order("OrderCreated", "o13", "k0"), &log).await;
+    let mut tasks = Vec::new();
+    for n in 1..=8 {
+        let pool = idem::postgres::connect(&db.url, 2).await.unwrap();
+        let inbox = inbox_on(&pool, SEQUENCES, InboxTransactions::Shared).await;
+        let log = log.clone();
+        tasks.push(tokio::spawn(async move {
+            inbox.process(vec![order("OrderValidated/stock", "o13", &format!("k{n}"))], log.as_ref()).await.unwrap()[0]
+        }));
+    }
+    for task in tasks {
+        assert_eq!(task.await.unwrap(), InboxOutcome::Processed { released: 0 });
+    }
+    db.pool.exec("SELECT pg_stat_force_next_flush()").await;
+    assert_eq!(db.pool.scalar(deadlocks).await, 0, "claimers waiting for one instance deadlocked");
+    assert_eq!(handled(&db.pool).await.len(), 9);
+}
+
+#[tokio::test]
+async fn a_handler_that_swallows_an_error_dead_letters_its_message_and_the_consumer_goes_on() {
+    let db = pg().await;
+    setup(&db.pool).await;
+    let inbox = inbox_on(&db.pool, SEQUENCES, InboxTransactions::Shared).await;
+    let log = Log::default();
+    log.swallow.lock().unwrap().insert("x1".into());
+    let outcomes = inbox
+        .process(vec![order("OrderCreated", "o14", "x1"), order("OrderCreated", "o15", "x2")], &log)
+        .await
+        .unwrap();
+    assert_eq!(outcomes, [InboxOutcome::DeadLettered, InboxOutcome::Processed { released: 0 }]);
+    let reason: String = sqlx::query_scalar("SELECT error FROM dead_letters").fetch_one(&db.pool).await.unwrap();
+    assert!(reason.contains("aborted by an earlier error") && reason.contains("savepoint"), "{reason}");
+    assert_eq!(handled(&db.pool).await.len(), 1);
 }

@@ -184,18 +184,20 @@ impl SequentialInbox {
             };
             let reason = match (status.as_str(), error) {
                 ("FAILED", Some(error)) => format!(
-                    "sequence `{sequence}` instance `{context}` expired (retain_until {until}) holding this \
-                     `{message_type}` message FAILED: {error}"
+                    "`{message_type}` {id}: sequence `{sequence}` instance `{context}` expired (retain_until \
+                     {until}) holding this message FAILED: {error}"
                 ),
                 _ => format!(
-                    "sequence `{sequence}` instance `{context}` expired (retain_until {until}) while this \
-                     `{message_type}` message was still WAITING for its release condition"
+                    "`{message_type}` {id}: sequence `{sequence}` instance `{context}` expired (retain_until \
+                     {until}) while this message was still WAITING for its release condition"
                 ),
             };
             tracing::warn!(sequence = %sequence, context_id = %context, message_type = %message_type, event_id = %id,
                 topic = %message.topic, partition = message.partition, offset = message.offset, status = %status,
                 "expired inbox instance still held this message: written to the dead-letter table");
-            let letter = NewDeadLetter { event_id: Some(&id), message: &message, error: &reason, attempts: 0 };
+            // Stored by position: ids are unique per message type only, and two types' leftovers must not
+            // overwrite each other's row.
+            let letter = NewDeadLetter { event_id: None, message: &message, error: &reason, attempts: 0 };
             Postgres::dead_letter(tx, &config.tables, &config.group, &letter).await?;
         }
         Ok(rows.len() as u64)

@@ -194,6 +194,8 @@ pub struct SequentialInbox {
     /// Each qualified type's (sequence, message type) indexes.
     index: Arc<HashMap<QualifiedType, (usize, usize)>>,
     counters: Arc<Counters>,
+    /// Separate mode: one permit per two connections of the pool.
+    separate_slots: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 impl SequentialInbox {
@@ -206,7 +208,17 @@ impl SequentialInbox {
                 index.insert(message_type.qualified.clone(), (s, t));
             }
         }
+        let connections = engine.pool().options().get_max_connections() as usize;
+        if config.transactions == InboxTransactions::Separate && connections < 2 {
+            return Err(Error::Config(format!(
+                "inbox `transactions = \"separate\"` holds two connections per message, and the pool has \
+                 {connections}: give it two per partition consumed"
+            )));
+        }
+        let separate_slots = (config.transactions == InboxTransactions::Separate)
+            .then(|| Arc::new(tokio::sync::Semaphore::new(connections / 2)));
         Ok(SequentialInbox {
+            separate_slots,
             engine,
             config: Arc::new(config),
             index: Arc::new(index),

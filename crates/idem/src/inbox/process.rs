@@ -40,8 +40,15 @@ pub(crate) enum Failure {
 
 impl From<sqlx::Error> for Failure {
     fn from(error: sqlx::Error) -> Self {
-        let gone = matches!(&error, sqlx::Error::Database(db) if db.code().as_deref() == Some("23503"));
-        if gone { Failure::InstanceGone } else { Failure::Database(error) }
+        Failure::Database(error)
+    }
+}
+
+/// The claim's own errors: a foreign-key violation there means the instance was deleted after it was resolved.
+fn claim_failure(error: sqlx::Error) -> Failure {
+    match &error {
+        sqlx::Error::Database(db) if db.code().as_deref() == Some("23503") => Failure::InstanceGone,
+        _ => Failure::Database(error),
     }
 }
 
@@ -108,13 +115,24 @@ impl SequentialInbox {
         let (mut attempts, mut outages) = (0u32, 0u32);
         loop {
             attempts += 1;
+            // Separate mode holds two connections per attempt: at most half the pool's attempts run at once, so
+            // the claim transactions can never take every connection the handlers need.
+            let _slot = match &self.separate_slots {
+                Some(slots) => Some(slots.acquire().await.map_err(|_| Error::Stopped)?),
+                None => None,
+            };
             let reason = match self.attempt(sequenced, handler).await {
                 Ok(outcome) => {
                     self.count_outcome(sequenced, outcome);
                     return Ok(outcome);
                 }
                 Err(Failure::InstanceGone) => {
+                    // Housekeeping deleted the instance between its lookup and the claim: look it up again.
                     attempts -= 1;
+                    if stop.load(Ordering::SeqCst) {
+                        return Err(Error::Stopped);
+                    }
+                    tokio::time::sleep(config.backoff_for(1)).await;
                     continue;
                 }
                 Err(Failure::Handler(HandlerError::Retryable(reason))) if attempts < config.max_attempts => {
@@ -150,7 +168,9 @@ impl SequentialInbox {
             let m = &sequenced.event.message;
             tracing::warn!(sequence = %sequence.name, context_id = %sequenced.context, event_id = %sequenced.event.id,
                 topic = %m.topic, partition = m.partition, offset = m.offset, reason, "sequenced message dead-lettered");
-            self.dead_letter(Some(&sequenced.event.id), m, &reason, attempts, stop).await?;
+            let reason =
+                format!("`{}` {}: {reason}", sequence.types[sequenced.message_type].qualified, sequenced.event.id);
+            self.dead_letter(None, m, &reason, attempts, stop).await?;
             self.count_outcome(sequenced, InboxOutcome::DeadLettered);
             return Ok(InboxOutcome::DeadLettered);
         }
@@ -173,7 +193,7 @@ impl SequentialInbox {
         )
         .await?;
         let mut tx = conn.begin().await?;
-        if !store::claim(&mut tx, tables, &type_name, &event.id, instance).await? {
+        if !store::claim(&mut tx, tables, &type_name, &event.id, instance).await.map_err(claim_failure)? {
             tx.commit().await?;
             return Ok(InboxOutcome::Duplicate);
         }
@@ -195,7 +215,7 @@ impl SequentialInbox {
         let recording = sequence.recording(SystemTime::now());
         let ready = recording || message_type.release.as_ref().is_none_or(|c| c.holds(&processed));
         let outcome = if ready {
-            self.handle(handler, event, &mut tx).await.map_err(Failure::Handler)?;
+            self.handle(handler, event, &mut tx).await?;
             store::record(
                 &mut tx,
                 tables,
@@ -208,7 +228,7 @@ impl SequentialInbox {
             )
             .await?;
             processed.insert(message_type.qualified.clone());
-            let released = if recording || state.waiting == 0 {
+            let released = if state.waiting == 0 {
                 0
             } else {
                 self.release(&mut tx, sequenced.sequence, instance, &mut processed, handler).await?
@@ -222,49 +242,46 @@ impl SequentialInbox {
                 .await?;
             InboxOutcome::Buffered
         };
-        match Postgres::transaction_intact(&mut tx).await {
-            Ok(true) => {}
-            Ok(false) => {
-                return Err(Failure::Handler(HandlerError::Permanent(
-                    "the handler ended the transaction itself (COMMIT or ROLLBACK through tx); leave transaction \
-                     control to idem"
-                        .into(),
-                )));
-            }
-            Err(error) if classify(&error) == Retry::Helps => return Err(Failure::Database(error)),
-            Err(error) => {
-                return Err(Failure::Handler(HandlerError::Permanent(format!(
-                    "the transaction was aborted by an earlier error the handler did not return ({error}); to \
-                     tolerate an error inside a handler, run that statement in a savepoint (tx.begin())"
-                ))));
-            }
-        }
         self.engine.faults().reached(FaultPoint::BeforeCommit);
-        tx.commit().await?;
+        if let Err(error) = tx.commit().await {
+            return Err(match classify(&error) {
+                Retry::Helps => Failure::Database(error),
+                // A deferred constraint of the handler's writes fails at COMMIT: the handler is at fault.
+                Retry::Useless if ready => Failure::Handler(HandlerError::Permanent(format!("commit failed: {error}"))),
+                Retry::Useless => Failure::Database(error),
+            });
+        }
         self.engine.faults().reached(FaultPoint::AfterCommit);
         Ok(outcome)
     }
 
-    /// Runs the handler for the message being delivered, in the claim transaction or in one of its own.
+    /// Runs the handler for the message being delivered, in the claim transaction or in one of its own; in the
+    /// claim transaction, checks that the handler left it able to commit.
     async fn handle<H: Handler<Postgres>>(
         &self,
         handler: &H,
         event: &Event,
         tx: &mut PgConnection,
-    ) -> Result<(), HandlerError> {
+    ) -> Result<(), Failure> {
         match self.config.transactions {
-            InboxTransactions::Shared => handler.handle(event, tx).await,
+            InboxTransactions::Shared => {
+                handler.handle(event, tx).await.map_err(Failure::Handler)?;
+                check_intact(tx).await
+            }
             InboxTransactions::Separate => self.handle_separately(handler, event).await,
         }
     }
 
-    /// The handler's own transaction on a second connection, committed before the inbox state is recorded.
-    async fn handle_separately<H: Handler<Postgres>>(&self, handler: &H, event: &Event) -> Result<(), HandlerError> {
+    /// The handler's own transaction on a second connection, committed before the inbox state is recorded. Not
+    /// getting that connection is the database's failure, retried as such, not the handler's.
+    async fn handle_separately<H: Handler<Postgres>>(&self, handler: &H, event: &Event) -> Result<(), Failure> {
         let mut conn = self.engine.pool().acquire().await?;
         let mut own = conn.begin().await?;
-        handler.handle(event, &mut *own).await?;
-        own.commit().await?;
-        Ok(())
+        handler.handle(event, &mut *own).await.map_err(Failure::Handler)?;
+        own.commit().await.map_err(|error| match classify(&error) {
+            Retry::Helps => Failure::Database(error),
+            Retry::Useless => Failure::Handler(HandlerError::Permanent(format!("commit failed: {error}"))),
+        })
     }
 
     /// Releases, in arrival order, every WAITING message whose condition now holds (or that an operator released),
@@ -347,7 +364,11 @@ impl SequentialInbox {
                         }
                     }
                 }
-                InboxTransactions::Separate => self.handle_separately(handler, &event).await,
+                InboxTransactions::Separate => match self.handle_separately(handler, &event).await {
+                    Ok(()) => Ok(()),
+                    Err(Failure::Handler(error)) => Err(error),
+                    Err(other) => return Err(other),
+                },
             };
             match result {
                 Ok(()) => return Ok(Ok(())),
@@ -431,5 +452,23 @@ impl SequentialInbox {
         let sequence = self.config.sequences[sequenced.sequence].name.clone();
         metrics::counter!(metric, "consumer_group" => self.engine.config().group.clone(), "sequence" => sequence)
             .increment(n);
+    }
+}
+
+/// The same check as the engine's before `COMMIT`: a handler that swallowed an error (PostgreSQL then aborts the
+/// transaction) or ended the transaction itself fails the message, with the fix in the reason.
+async fn check_intact(tx: &mut PgConnection) -> Result<(), Failure> {
+    match Postgres::transaction_intact(tx).await {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(Failure::Handler(HandlerError::Permanent(
+            "the handler ended the transaction itself (COMMIT or ROLLBACK through tx); leave transaction control \
+             to idem"
+                .into(),
+        ))),
+        Err(error) if classify(&error) == Retry::Helps => Err(Failure::Database(error)),
+        Err(error) => Err(Failure::Handler(HandlerError::Permanent(format!(
+            "the transaction was aborted by an earlier error the handler did not return ({error}); to tolerate an \
+             error inside a handler, run that statement in a savepoint (tx.begin())"
+        )))),
     }
 }

@@ -106,13 +106,15 @@ pub(crate) async fn delete_claim(
     Ok(())
 }
 
-/// Locks the instance row for the rest of the transaction; returns whether it is OPEN (`None`: it is gone).
+/// Locks the instance row (`FOR NO KEY UPDATE`) for the rest of the transaction; returns whether it is OPEN (`None`: it is gone).
 pub(crate) async fn lock_instance(
     conn: &mut PgConnection,
     tables: &Tables,
     instance: i64,
 ) -> Result<Option<bool>, sqlx::Error> {
-    let sql = tables.render("SELECT status FROM {t}sequence_instance WHERE id = $1 FOR UPDATE");
+    // NO KEY UPDATE: it excludes other consumers of the instance, but not the KEY SHARE lock that the claim's
+    // foreign key takes, so two claimers waiting for the instance cannot deadlock on each other.
+    let sql = tables.render("SELECT status FROM {t}sequence_instance WHERE id = $1 FOR NO KEY UPDATE");
     let status: Option<String> = sqlx::query_scalar(&sql).bind(instance).fetch_optional(conn).await?;
     Ok(status.map(|s| s == "OPEN"))
 }
