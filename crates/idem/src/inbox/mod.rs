@@ -14,7 +14,7 @@
 //! 1. claims it: `INSERT INTO sequential_inbox_idempotence … ON CONFLICT (message_type, idempotence_id) DO
 //!    NOTHING`, first statement; no row inserted: a duplicate (a concurrent delivery waits here for the winner's
 //!    outcome and takes over if the winner rolls back);
-//! 2. locks its sequence instance (`FOR UPDATE`): one context is handled by one worker at a time, across
+//! 2. locks its sequence instance (`FOR NO KEY UPDATE`): one context is handled by one worker at a time, across
 //!    processes, and different contexts in parallel;
 //! 3. runs the handler when the release condition holds and records the message PROCESSED, then releases every
 //!    WAITING message whose condition now holds, in arrival order, until none does; otherwise stores the
