@@ -180,25 +180,40 @@ pub(crate) async fn record(
     status: Status,
     replaces: Option<i64>,
 ) -> Result<(), sqlx::Error> {
-    let keep_bytes = status != Status::Processed;
     let processed_at = if status == Status::Processed { "clock_timestamp()" } else { "NULL" };
-    // The FAILED row a resend retries is updated in place; otherwise a row is added.
-    let sql = tables.render(&format!(
-        r#"WITH replaced AS (
-               UPDATE {{t}}sequenced_message SET status = $4, topic = $5, partition = $6, "offset" = $7, key = $8,
-                      payload = $9, headers = $10, error = NULL, force_release = false, received_at = now(),
-                      processed_at = {processed_at}
-                WHERE id = $11
-               RETURNING id)
-           INSERT INTO {{t}}sequenced_message (sequence_instance_id, message_type, idempotence_id, status, topic,
-                  partition, "offset", key, payload, headers, processed_at)
-           SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, {processed_at}
-            WHERE NOT EXISTS (SELECT 1 FROM replaced)"#
-    ));
-    sqlx::query(&sql)
-        .bind(instance)
-        .bind(message_type)
-        .bind(idempotence_id)
+    match replaces {
+        // The FAILED row a resend retries is updated in place.
+        Some(id) => {
+            let sql = tables.render(&format!(
+                r#"UPDATE {{t}}sequenced_message SET status = $2, topic = $3, partition = $4, "offset" = $5, key = $6,
+                          payload = $7, headers = $8, error = NULL, force_release = false, received_at = now(),
+                          processed_at = {processed_at}
+                    WHERE id = $1"#
+            ));
+            bind_contents(sqlx::query(&sql).bind(id), status, message).execute(conn).await?;
+        }
+        None => {
+            let sql = tables.render(&format!(
+                r#"INSERT INTO {{t}}sequenced_message (sequence_instance_id, message_type, idempotence_id, status,
+                          topic, partition, "offset", key, payload, headers, processed_at)
+                   VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, {processed_at})"#
+            ));
+            let insert = sqlx::query(&sql).bind(instance).bind(message_type).bind(idempotence_id);
+            bind_contents(insert, status, message).execute(conn).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Binds a message's state and contents, in this order: status, topic, partition, offset, key, payload, headers.
+/// A PROCESSED message keeps its position, not its bytes.
+fn bind_contents<'q>(
+    query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    status: Status,
+    message: &'q Message,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    let keep_bytes = status != Status::Processed;
+    query
         .bind(status.as_str())
         .bind(&message.topic)
         .bind(message.partition)
@@ -206,10 +221,6 @@ pub(crate) async fn record(
         .bind(message.key.as_deref().filter(|_| keep_bytes))
         .bind(keep_bytes.then_some(message.payload.as_slice()))
         .bind(encode_headers(&message.headers))
-        .bind(replaces)
-        .execute(conn)
-        .await?;
-    Ok(())
 }
 
 /// The WAITING messages of an instance, in the order they are considered for release: arrival, then row id.
