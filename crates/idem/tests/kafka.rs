@@ -1,5 +1,5 @@
 //! Kafka, against a real broker (`IDEM_KAFKA_BROKERS`, default 127.0.0.1:9092; `scripts/kafka.sh up` starts
-//! one): the retention guard, the auto-commit refusal, committed offsets surviving a restart.
+//! one): the retention guard, the auto-commit refusal, committed offsets surviving a restart, the Sequential Inbox.
 #![cfg(feature = "kafka")]
 
 mod common;
@@ -120,4 +120,72 @@ async fn committed_offsets_survive_a_restart_and_the_rest_is_redelivered() {
     assert_eq!(stats.lost, 0, "the producer helper's sequence numbers show no hole");
     assert_eq!(ledger_total(&db.pool).await, expected);
     assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM ledger").await, 300);
+}
+
+/// The Sequential Inbox over Kafka: each order's events published scrambled, keyed by event so they spread over
+/// both partitions (two workers at once), some twice; every order is handled once per step, in its order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_sequential_inbox_orders_what_kafka_delivers_out_of_order() {
+    use idem::inbox::{InboxConfig, SequentialInbox};
+
+    struct History;
+    impl idem::Handler<sqlx::Postgres> for History {
+        async fn handle(&self, event: &idem::Event, tx: &mut sqlx::PgConnection) -> Result<(), idem::HandlerError> {
+            #[derive(serde::Deserialize)]
+            struct Step {
+                #[serde(rename = "orderId")]
+                order_id: String,
+                step: i32,
+            }
+            let s: Step = event.json()?;
+            sqlx::query("INSERT INTO history (order_id, step) VALUES ($1, $2)")
+                .bind(&s.order_id)
+                .bind(s.step)
+                .execute(&mut *tx)
+                .await?;
+            Ok(())
+        }
+    }
+
+    let db = common::pg().await;
+    idem::migrate(&db.pool, &idem::Tables::default()).await.unwrap();
+    db.pool.exec("CREATE TABLE history (n bigserial, order_id text NOT NULL, step int NOT NULL)").await;
+    let topic = unique("orders");
+    create_topic(&brokers(), &topic, 2, WEEK_MS).await.unwrap();
+    let producer = KafkaProducer::new(&brokers()).unwrap();
+    let orders = 10;
+    let steps = [("OrderShipped", None, 4), ("OrderValidated", Some("payment"), 2), ("OrderCreated", None, 1)];
+    for n in 0..orders {
+        let mut events = steps.to_vec();
+        events.insert(1, ("OrderValidated", Some("stock"), 3));
+        events.push(("OrderShipped", None, 4)); // a redelivery
+        for (kind, sub_type, step) in events {
+            let mut headers = vec![("type".to_owned(), kind.as_bytes().to_vec())];
+            if let Some(sub) = sub_type {
+                headers.push(("subtype".to_owned(), sub.as_bytes().to_vec()));
+            }
+            let id = format!("o{n}-{step}");
+            let payload = format!(r#"{{"eventId":"{id}","orderId":"o{n}","step":{step}}}"#);
+            producer.send(&topic, Some(id.as_bytes()), payload.as_bytes(), &headers).await.unwrap();
+        }
+    }
+
+    let key = idem::KeyExtractor::JsonPointer("/eventId".into());
+    let config = idem::Config { group: unique("history"), key, ..config(10) };
+    let mut kafka = KafkaConfig::new(brokers(), &[&topic]).set("session.timeout.ms", "6000");
+    kafka.stop_at_end = true;
+    let source = KafkaSource::connect(&kafka, &config).await.unwrap();
+    let sequences = InboxConfig::from_toml(include_str!("../examples/order_sequence.toml")).unwrap();
+    let inbox = SequentialInbox::new(Engine::new(db.pool.clone(), config).unwrap(), sequences).unwrap();
+    let direct = inbox.run(source, History, std::future::pending::<()>()).await.unwrap();
+    assert_eq!(direct.processed + direct.dead_lettered, 0, "every message was sequenced");
+
+    let stats = inbox.stats();
+    assert_eq!((stats.consumed, stats.duplicates), (orders * 5, orders), "{stats:?}");
+    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM history").await, orders as i64 * 4);
+    let out_of_order = "SELECT COUNT(*) FROM history h JOIN history e ON e.order_id = h.order_id AND e.n < h.n \
+                        WHERE e.step > h.step AND NOT (e.step IN (2, 3) AND h.step IN (2, 3))";
+    assert_eq!(db.pool.scalar(out_of_order).await, 0, "no step before its predecessors");
+    let closed = db.pool.scalar("SELECT COUNT(*) FROM sequence_instance WHERE status = 'CLOSED'").await;
+    assert_eq!(closed, orders as i64);
 }
