@@ -769,18 +769,12 @@ impl<DB: Backend> Engine<DB> {
                 Ok(true) => {}
                 Ok(false) => {
                     let _ = tx.rollback().await;
-                    let reason = "the handler ended the transaction itself (COMMIT or ROLLBACK through tx); \
-                                  leave transaction control to idem";
-                    return Err(Failure::Handler { at: None, error: HandlerError::Permanent(reason.into()) });
+                    return Err(Failure::Handler { at: None, error: HandlerError::ended_transaction() });
                 }
                 Err(error) if classify(&error) == Retry::Helps => return Err(Failure::Database(error)),
                 Err(error) => {
                     let _ = tx.rollback().await;
-                    let reason = format!(
-                        "the transaction was aborted by an earlier error the handler did not return ({error}); \
-                         to tolerate an error inside a handler, run that statement in a savepoint (tx.begin())"
-                    );
-                    return Err(Failure::Handler { at: None, error: HandlerError::Permanent(reason) });
+                    return Err(Failure::Handler { at: None, error: HandlerError::left_transaction_aborted(&error) });
                 }
             }
         }

@@ -72,6 +72,23 @@ impl HandlerError {
         HandlerError::Permanent(reason.to_string())
     }
 
+    /// The handler committed or rolled back idem's transaction itself.
+    pub(crate) fn ended_transaction() -> Self {
+        HandlerError::Permanent(
+            "the handler ended the transaction itself (COMMIT or ROLLBACK through tx); leave transaction control to \
+             idem"
+                .into(),
+        )
+    }
+
+    /// The handler swallowed a database error that left the transaction aborted (`error` says which).
+    pub(crate) fn left_transaction_aborted(error: &sqlx::Error) -> Self {
+        HandlerError::Permanent(format!(
+            "the transaction was aborted by an earlier error the handler did not return ({error}); to tolerate an \
+             error inside a handler, run that statement in a savepoint (tx.begin())"
+        ))
+    }
+
     /// Whether a retry can help.
     pub fn retry(&self) -> Retry {
         match self {

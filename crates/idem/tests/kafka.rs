@@ -128,28 +128,9 @@ async fn committed_offsets_survive_a_restart_and_the_rest_is_redelivered() {
 async fn the_sequential_inbox_orders_what_kafka_delivers_out_of_order() {
     use idem::inbox::{InboxConfig, SequentialInbox};
 
-    struct History;
-    impl idem::Handler<sqlx::Postgres> for History {
-        async fn handle(&self, event: &idem::Event, tx: &mut sqlx::PgConnection) -> Result<(), idem::HandlerError> {
-            #[derive(serde::Deserialize)]
-            struct Step {
-                #[serde(rename = "orderId")]
-                order_id: String,
-                step: i32,
-            }
-            let s: Step = event.json()?;
-            sqlx::query("INSERT INTO history (order_id, step) VALUES ($1, $2)")
-                .bind(&s.order_id)
-                .bind(s.step)
-                .execute(&mut *tx)
-                .await?;
-            Ok(())
-        }
-    }
-
     let db = common::pg().await;
     idem::migrate(&db.pool, &idem::Tables::default()).await.unwrap();
-    db.pool.exec("CREATE TABLE history (n bigserial, order_id text NOT NULL, step int NOT NULL)").await;
+    common::create_order_history(&db.pool).await;
     let topic = unique("orders");
     create_topic(&brokers(), &topic, 2, WEEK_MS).await.unwrap();
     let producer = KafkaProducer::new(&brokers()).unwrap();
@@ -177,15 +158,13 @@ async fn the_sequential_inbox_orders_what_kafka_delivers_out_of_order() {
     let source = KafkaSource::connect(&kafka, &config).await.unwrap();
     let sequences = InboxConfig::from_toml(include_str!("../examples/order_sequence.toml")).unwrap();
     let inbox = SequentialInbox::new(Engine::new(db.pool.clone(), config).unwrap(), sequences).unwrap();
-    let direct = inbox.run(source, History, std::future::pending::<()>()).await.unwrap();
+    let direct = inbox.run(source, common::OrderHistory, std::future::pending::<()>()).await.unwrap();
     assert_eq!(direct.processed + direct.dead_lettered, 0, "every message was sequenced");
 
     let stats = inbox.stats();
     assert_eq!((stats.consumed, stats.duplicates), (orders * 5, orders), "{stats:?}");
     assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM history").await, orders as i64 * 4);
-    let out_of_order = "SELECT COUNT(*) FROM history h JOIN history e ON e.order_id = h.order_id AND e.n < h.n \
-                        WHERE e.step > h.step AND NOT (e.step IN (2, 3) AND h.step IN (2, 3))";
-    assert_eq!(db.pool.scalar(out_of_order).await, 0, "no step before its predecessors");
+    assert_eq!(common::order_steps_out_of_order(&db.pool).await, 0, "no step before its predecessors");
     let closed = db.pool.scalar("SELECT COUNT(*) FROM sequence_instance WHERE status = 'CLOSED'").await;
     assert_eq!(closed, orders as i64);
 }

@@ -111,7 +111,7 @@ impl SequentialInbox {
     ) -> Result<InboxOutcome, Error> {
         let config = self.engine.config();
         let sequence = &self.config.sequences[sequenced.sequence];
-        self.count("consumed", sequenced, 1);
+        self.count(Count::Consumed, sequenced.sequence, 1);
         let (mut attempts, mut outages) = (0u32, 0u32);
         loop {
             attempts += 1;
@@ -289,13 +289,13 @@ impl SequentialInbox {
     pub(crate) async fn release<H: Handler<Postgres>>(
         &self,
         tx: &mut PgConnection,
-        sequence: usize,
+        sequence_index: usize,
         instance: i64,
         processed: &mut HashSet<QualifiedType>,
         handler: &H,
     ) -> Result<usize, Failure> {
         let tables = &self.engine.config().tables;
-        let sequence = &self.config.sequences[sequence];
+        let sequence = &self.config.sequences[sequence_index];
         let mut released = 0;
         loop {
             let mut progressed = false;
@@ -319,10 +319,7 @@ impl SequentialInbox {
                             event_id = %waiting.idempotence_id, topic = %m.topic, partition = m.partition,
                             offset = m.offset, reason, "released message failed: marked FAILED, claim deleted; a resend retries it");
                         store::mark_failed(tx, tables, &waiting, &reason).await?;
-                        self.counters.failed.fetch_add(1, Ordering::Relaxed);
-                        metrics::counter!("inbox_failed_total", "consumer_group" => self.engine.config().group.clone(),
-                            "sequence" => sequence.name.clone())
-                        .increment(1);
+                        self.count(Count::Failed, sequence_index, 1);
                     }
                 }
             }
@@ -421,38 +418,52 @@ impl SequentialInbox {
     }
 
     fn count_outcome(&self, sequenced: &Sequenced, outcome: InboxOutcome) {
+        let sequence = sequenced.sequence;
         match outcome {
             InboxOutcome::Processed { released } => {
-                self.count("processed", sequenced, 1);
-                self.count("released", sequenced, released as u64);
+                self.count(Count::Processed, sequence, 1);
+                self.count(Count::Released, sequence, released as u64);
             }
-            InboxOutcome::Recorded => self.count("processed", sequenced, 1),
-            InboxOutcome::Buffered => self.count("buffered", sequenced, 1),
-            InboxOutcome::Duplicate => self.count("duplicates", sequenced, 1),
-            InboxOutcome::DeadLettered => self.count("dead_lettered", sequenced, 1),
+            InboxOutcome::Recorded => self.count(Count::Processed, sequence, 1),
+            InboxOutcome::Buffered => self.count(Count::Buffered, sequence, 1),
+            InboxOutcome::Duplicate => self.count(Count::Duplicates, sequence, 1),
+            InboxOutcome::DeadLettered => self.count(Count::DeadLettered, sequence, 1),
             InboxOutcome::Direct(_) => {}
         }
     }
 
-    /// Adds to a counter and to its metric, `inbox_<what>_total{consumer_group, sequence}`.
-    fn count(&self, what: &'static str, sequenced: &Sequenced, n: u64) {
+    /// Adds `n` to a counter and to its metric, labelled `{consumer_group, sequence}`.
+    fn count(&self, what: Count, sequence: usize, n: u64) {
         if n == 0 {
             return;
         }
         let c = &self.counters;
         let (counter, metric) = match what {
-            "consumed" => (&c.consumed, "inbox_consumed_total"),
-            "processed" => (&c.processed, "inbox_processed_total"),
-            "released" => (&c.released, "inbox_released_total"),
-            "buffered" => (&c.buffered, "inbox_buffered_total"),
-            "duplicates" => (&c.duplicates, "inbox_duplicates_skipped_total"),
-            _ => (&c.dead_lettered, "inbox_dead_lettered_total"),
+            Count::Consumed => (&c.consumed, "inbox_consumed_total"),
+            Count::Processed => (&c.processed, "inbox_processed_total"),
+            Count::Released => (&c.released, "inbox_released_total"),
+            Count::Buffered => (&c.buffered, "inbox_buffered_total"),
+            Count::Duplicates => (&c.duplicates, "inbox_duplicates_skipped_total"),
+            Count::Failed => (&c.failed, "inbox_failed_total"),
+            Count::DeadLettered => (&c.dead_lettered, "inbox_dead_lettered_total"),
         };
         counter.fetch_add(n, Ordering::Relaxed);
-        let sequence = self.config.sequences[sequenced.sequence].name.clone();
+        let sequence = self.config.sequences[sequence].name.clone();
         metrics::counter!(metric, "consumer_group" => self.engine.config().group.clone(), "sequence" => sequence)
             .increment(n);
     }
+}
+
+/// The inbox's counters.
+#[derive(Clone, Copy)]
+enum Count {
+    Consumed,
+    Processed,
+    Released,
+    Buffered,
+    Duplicates,
+    Failed,
+    DeadLettered,
 }
 
 /// The same check as the engine's before `COMMIT`: a handler that swallowed an error (PostgreSQL then aborts the
@@ -460,15 +471,8 @@ impl SequentialInbox {
 async fn check_intact(tx: &mut PgConnection) -> Result<(), Failure> {
     match Postgres::transaction_intact(tx).await {
         Ok(true) => Ok(()),
-        Ok(false) => Err(Failure::Handler(HandlerError::Permanent(
-            "the handler ended the transaction itself (COMMIT or ROLLBACK through tx); leave transaction control \
-             to idem"
-                .into(),
-        ))),
+        Ok(false) => Err(Failure::Handler(HandlerError::ended_transaction())),
         Err(error) if classify(&error) == Retry::Helps => Err(Failure::Database(error)),
-        Err(error) => Err(Failure::Handler(HandlerError::Permanent(format!(
-            "the transaction was aborted by an earlier error the handler did not return ({error}); to tolerate an \
-             error inside a handler, run that statement in a savepoint (tx.begin())"
-        )))),
+        Err(error) => Err(Failure::Handler(HandlerError::left_transaction_aborted(&error))),
     }
 }

@@ -250,3 +250,38 @@ macro_rules! on_both {
         }
     };
 }
+
+/// The order-history handler of the Sequential Inbox tests: appends `{"orderId", "step"}` to `history`.
+pub struct OrderHistory;
+
+/// Creates the `history` table [`OrderHistory`] writes to.
+pub async fn create_order_history(pool: &sqlx::PgPool) {
+    pool.exec("CREATE TABLE history (n bigserial, order_id text NOT NULL, step int NOT NULL)").await;
+}
+
+/// Steps handled before a step they come after (1 created, 2 and 3 the validations in either order, 4 shipped).
+pub async fn order_steps_out_of_order(pool: &sqlx::PgPool) -> i64 {
+    pool.scalar(
+        "SELECT COUNT(*) FROM history h JOIN history e ON e.order_id = h.order_id AND e.n < h.n \
+         WHERE e.step > h.step AND NOT (e.step IN (2, 3) AND h.step IN (2, 3))",
+    )
+    .await
+}
+
+impl Handler<sqlx::Postgres> for OrderHistory {
+    async fn handle(&self, event: &Event, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        #[derive(serde::Deserialize)]
+        struct Step {
+            #[serde(rename = "orderId")]
+            order_id: String,
+            step: i32,
+        }
+        let s: Step = event.json()?;
+        sqlx::query("INSERT INTO history (order_id, step) VALUES ($1, $2)")
+            .bind(&s.order_id)
+            .bind(s.step)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    }
+}
