@@ -19,7 +19,7 @@ impl Db {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let pool = idem::postgres::connect(url, connections)
                 .await
-                .with_context(|| format!("cannot connect to {}", redact(url)))?;
+                .with_context(|| format!("--database-url {}", redact(url)))?;
             Ok(Db::Postgres(pool))
         } else if url.starts_with("sqlite:") {
             Ok(Db::Sqlite(idem::sqlite::connect(url).await.with_context(|| format!("cannot open {url}"))?))

@@ -692,7 +692,7 @@ impl<DB: Backend> Engine<DB> {
     async fn transaction<A: Apply<DB>>(&self, items: &[Item], apply: &A) -> Result<Vec<Outcome>, Failure> {
         let inner = &self.inner;
         let config = &inner.config;
-        let mut conn = inner.pool.acquire().await.map_err(Failure::Database)?;
+        let mut conn = crate::store::connect::connection(&inner.pool).await.map_err(Failure::Database)?;
         let mut tx = conn.begin().await.map_err(Failure::Database)?;
 
         // 1. The markers, first statement of the transaction. An id seen twice in one batch is claimed once.
@@ -846,7 +846,7 @@ impl<DB: Backend> Engine<DB> {
     async fn dead_letter_once(&self, item: &Item, reason: &str, attempts: u32) -> Result<Outcome, sqlx::Error> {
         let inner = &self.inner;
         let config = &inner.config;
-        let mut conn = inner.pool.acquire().await?;
+        let mut conn = crate::store::connect::connection(&inner.pool).await?;
         let mut tx = conn.begin().await?;
         if let Item::Keyed(event) = item {
             let claims = DB::claim(&mut tx, &config.tables, &config.layout, &config.group, &[event]).await?;

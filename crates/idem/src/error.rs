@@ -32,7 +32,7 @@ pub fn classify(error: &sqlx::Error) -> Retry {
             // admin/crash shutdown, cannot_connect_now, too_many_connections.
             Some("40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03" | "53300") => Retry::Helps,
             Some(code) if code.starts_with("08") => Retry::Helps,
-            // SQLite: SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their extended codes.
+            // SQLite: busy, locked, I/O errors, a full disk, a file it cannot open, with their extended codes.
             Some(code) if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() && is_sqlite_busy(code) => {
                 Retry::Helps
             }
@@ -42,8 +42,11 @@ pub fn classify(error: &sqlx::Error) -> Retry {
     }
 }
 
+/// SQLite's transient primary codes (the low byte of an extended code): SQLITE_BUSY (5), SQLITE_LOCKED (6),
+/// SQLITE_IOERR (10), SQLITE_FULL (13, the disk is full), SQLITE_CANTOPEN (14). The database file is there again,
+/// or has room again, after an operator acts: an outage, retried without limit.
 fn is_sqlite_busy(code: &str) -> bool {
-    code.parse::<i32>().map(|c| matches!(c & 0xff, 5 | 6)).unwrap_or(false)
+    code.parse::<i32>().map(|c| matches!(c & 0xff, 5 | 6 | 10 | 13 | 14)).unwrap_or(false)
 }
 
 /// The error a handler returns: retryable or permanent, with a reason that ends up in logs and dead letters.
@@ -138,14 +141,25 @@ impl From<serde_json::Error> for HandlerError {
 }
 
 /// Why the engine, a source or a store operation stopped.
+///
+/// The message of each variant already contains its cause's, so the cause is not also given as a `source()`: an
+/// error chain printed with `{:#}` says each thing once.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A database error; [`Error::retry`] says whether it was transient.
     #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
     /// The broker or the embedded log failed.
     #[error("source: {0}")]
-    Source(#[from] crate::source::SourceError),
+    Source(crate::source::SourceError),
+    /// The database could not be reached at start-up; the reason names the cause and the fix.
+    #[error("cannot connect to {target}: {reason}")]
+    Connect {
+        /// The database, its password hidden.
+        target: String,
+        /// Why, and what to do.
+        reason: String,
+    },
     /// The configuration is invalid; the message names the field and the fix.
     #[error("configuration: {0}")]
     Config(String),
@@ -160,12 +174,25 @@ pub enum Error {
     Stopped,
 }
 
+impl From<sqlx::Error> for Error {
+    fn from(error: sqlx::Error) -> Self {
+        Error::Database(error)
+    }
+}
+
+impl From<crate::source::SourceError> for Error {
+    fn from(error: crate::source::SourceError) -> Self {
+        Error::Source(error)
+    }
+}
+
 impl Error {
     /// Whether retrying the failed operation can succeed.
     pub fn retry(&self) -> Retry {
         match self {
             Error::Database(e) => classify(e),
             Error::Source(e) => e.retry(),
+            Error::Connect { .. } => Retry::Helps,
             Error::Config(_) | Error::Schema(_) | Error::Worker(_) => Retry::Useless,
             Error::Stopped => Retry::Helps,
         }

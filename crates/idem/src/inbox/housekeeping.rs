@@ -105,7 +105,7 @@ impl SequentialInbox {
                 tracing::warn!(instance, sequence = %name, "released messages of a sequence this consumer does not declare; left waiting");
                 continue;
             };
-            let mut conn = self.engine.pool().acquire().await?;
+            let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
             let mut tx = conn.begin().await?;
             let Some(open) = store::lock_instance(&mut tx, tables, instance).await? else { continue };
             let names = store::processed_types(&mut tx, tables, instance).await?;
@@ -138,7 +138,7 @@ impl SequentialInbox {
         let delete = tables.render("DELETE FROM {t}sequence_instance WHERE id = ANY($1)");
         let (mut deleted, mut reported) = (0u64, 0u64);
         loop {
-            let mut conn = self.engine.pool().acquire().await?;
+            let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
             let mut tx = conn.begin().await?;
             let ids: Vec<i64> = sqlx::query_scalar(&expired)
                 .bind(housekeeping.expiry_delay.as_secs_f64())

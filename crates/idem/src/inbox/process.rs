@@ -183,7 +183,7 @@ impl SequentialInbox {
         let message_type = &sequence.types[sequenced.message_type];
         let type_name = message_type.qualified.to_string();
         let event = &sequenced.event;
-        let mut conn = self.engine.pool().acquire().await?;
+        let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
         let instance = store::resolve_instance(
             &mut conn,
             tables,
@@ -275,7 +275,7 @@ impl SequentialInbox {
     /// The handler's own transaction on a second connection, committed before the inbox state is recorded. Not
     /// getting that connection is the database's failure, retried as such, not the handler's.
     async fn handle_separately<H: Handler<Postgres>>(&self, handler: &H, event: &Event) -> Result<(), Failure> {
-        let mut conn = self.engine.pool().acquire().await?;
+        let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
         let mut own = conn.begin().await?;
         handler.handle(event, &mut *own).await.map_err(Failure::Handler)?;
         own.commit().await.map_err(|error| match classify(&error) {
@@ -400,7 +400,7 @@ impl SequentialInbox {
         let mut outages = 0;
         loop {
             let result = async {
-                let mut conn = self.engine.pool().acquire().await?;
+                let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
                 let mut tx = conn.begin().await?;
                 Postgres::dead_letter(&mut tx, &config.tables, &config.group, &letter).await?;
                 tx.commit().await

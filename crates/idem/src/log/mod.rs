@@ -231,6 +231,20 @@ impl EmbeddedLog {
         })
     }
 
+    /// The topics of this log, sorted.
+    pub fn topics(&self) -> Result<Vec<String>, SourceError> {
+        let dir = self.dir.join("topics");
+        let mut topics = Vec::new();
+        for entry in fs::read_dir(&dir).map_err(|e| io_error("list", &dir, e))? {
+            let entry = entry.map_err(|e| io_error("list", &dir, e))?;
+            if entry.path().join("meta.json").is_file() {
+                topics.push(entry.file_name().to_string_lossy().into_owned());
+            }
+        }
+        topics.sort();
+        Ok(topics)
+    }
+
     /// The end offset (the number of offsets, a damaged range counting as one) of every partition of `topic`,
     /// indexed by partition. Damage at the end of a partition is an error.
     pub fn end_offsets(&self, topic: &str) -> Result<Vec<i64>, SourceError> {

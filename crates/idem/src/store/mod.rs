@@ -5,6 +5,7 @@
 //! same functions over its own SQL; the SQL lives in `sql/<backend>/`, written with `{t}` for the (optionally
 //! schema-qualified) table prefix and `{p}` for the bare prefix used in index names.
 
+pub(crate) mod connect;
 mod migrate;
 pub mod partitions;
 pub mod postgres;

@@ -372,11 +372,23 @@ fn dead_letter_from_row(row: &sqlx::postgres::PgRow) -> Result<DeadLetter, sqlx:
 /// Connects to PostgreSQL with a pool of `max_connections` (at least one per partition consumed at once, plus
 /// one for housekeeping). Connections are not pinged before each use (a round trip per transaction): a broken
 /// one fails its first statement, and the engine retries the batch on a fresh one.
+///
+/// One connection is made first, so that an unreachable server fails at once with the cause and the fix
+/// ([`Error::Connect`]: refused, unknown host, authentication, a missing database) instead of a pool time-out.
 pub async fn connect(url: &str, max_connections: u32) -> Result<sqlx::PgPool, Error> {
+    use std::str::FromStr;
+    let options = sqlx::postgres::PgConnectOptions::from_str(url)
+        .map_err(|e| Error::Config(format!("database_url is not a PostgreSQL URL: {e}")))?;
+    let target = format!(
+        "PostgreSQL at {}:{}/{}",
+        options.get_host(),
+        options.get_port(),
+        options.get_database().unwrap_or(options.get_username())
+    );
+    super::connect::probe(&options, &target).await?;
     Ok(sqlx::postgres::PgPoolOptions::new()
         .max_connections(max_connections.max(1))
         .test_before_acquire(false)
-        .acquire_timeout(std::time::Duration::from_secs(30))
-        .connect(url)
-        .await?)
+        .acquire_timeout(std::time::Duration::from_secs(10))
+        .connect_lazy_with(options))
 }
