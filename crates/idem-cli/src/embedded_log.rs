@@ -101,7 +101,10 @@ fn inspect(dir: &Path, topic: Option<&str>, records: bool, json: bool) -> anyhow
     if json {
         println!("{}", serde_json::json!({ "log_dir": dir, "healthy": healthy, "partitions": reports }));
     } else {
-        println!("{:<24} {:>9} {:>12} {:>12} {:>10} {:>8}  state", "topic/partition", "offsets", "bytes", "durable", "records", "damage");
+        println!(
+            "{:<24} {:>9} {:>12} {:>12} {:>10} {:>8}  state",
+            "topic/partition", "offsets", "bytes", "durable", "records", "damage"
+        );
         for r in &reports {
             let state = match (r.healthy(), r.torn_tail_at) {
                 (false, _) => "DAMAGED".to_owned(),

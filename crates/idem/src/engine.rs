@@ -720,11 +720,20 @@ impl<DB: Backend> Engine<DB> {
         let mut fresh: Vec<&Event> = Vec::with_capacity(claimed.len());
         let mut fresh_at: Vec<usize> = Vec::with_capacity(claimed.len());
         if !claimed.is_empty() {
-            let events: Vec<&Event> = claimed.iter().map(|(_, e)| *e).collect();
-            let claims = DB::claim(&mut tx, &config.tables, &config.layout, &config.group, &events)
+            // In one order for every transaction (by id), so two batches holding common events wait on each other
+            // at most one way round: concurrent duplicates across partitions never deadlock on their markers.
+            // The handler still sees the new events in delivery order.
+            let mut by_id: Vec<usize> = (0..claimed.len()).collect();
+            by_id.sort_unstable_by(|&a, &b| claimed[a].1.id.cmp(&claimed[b].1.id));
+            let events: Vec<&Event> = by_id.iter().map(|&i| claimed[i].1).collect();
+            let sorted = DB::claim(&mut tx, &config.tables, &config.layout, &config.group, &events)
                 .await
                 .map_err(Failure::Database)?;
-            for ((index, event), claim) in claimed.iter().zip(claims) {
+            let mut claims: Vec<Option<Claim>> = (0..claimed.len()).map(|_| None).collect();
+            for (i, claim) in by_id.into_iter().zip(sorted) {
+                claims[i] = Some(claim);
+            }
+            for ((index, event), claim) in claimed.iter().zip(claims.into_iter().flatten()) {
                 match claim {
                     Claim::New => {
                         outcomes[*index] = Outcome::Processed;

@@ -7,7 +7,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use super::record::{Slot, Walker, decode};
-use super::{CONTEXT, EmbeddedLog, damaged_tail, io_error, lock, permanent, read_offset, validate_name, walk_offsets, write_offset};
+use super::{
+    CONTEXT, EmbeddedLog, damaged_tail, io_error, lock, permanent, read_offset, validate_name, walk_offsets,
+    write_offset,
+};
 use crate::message::Message;
 use crate::source::{Partition, Received, Source, SourceError};
 
@@ -174,8 +177,8 @@ impl PartReader {
         for _ in 0..limit {
             match walker.next_slot()? {
                 Slot::Record { body, .. } => {
-                    let message =
-                        decode(&body, &self.partition, self.next).map_err(|why| self.damaged(&format!("the record's body does not decode: {why}"), None))?;
+                    let message = decode(&body, &self.partition, self.next)
+                        .map_err(|why| self.damaged(&format!("the record's body does not decode: {why}"), None))?;
                     out.push_back(message);
                     self.pos = walker.pos();
                     self.next += 1;
@@ -301,4 +304,3 @@ impl Source for LogConsumer {
         Ok(())
     }
 }
-

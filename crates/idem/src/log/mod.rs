@@ -285,7 +285,14 @@ struct Walked {
 
 /// Counts offsets from byte `pos` (the position of offset `count`) up to byte `len`, stopping once `until`
 /// offsets are counted. Records and damaged ranges count one each; checksums are verified.
-fn walk_offsets(file: &File, path: &Path, pos: u64, count: i64, len: u64, until: Option<i64>) -> Result<Walked, SourceError> {
+fn walk_offsets(
+    file: &File,
+    path: &Path,
+    pos: u64,
+    count: i64,
+    len: u64,
+    until: Option<i64>,
+) -> Result<Walked, SourceError> {
     let mut walker = Walker::new(file, path, pos, len)?;
     let mut count = count;
     while until.is_none_or(|until| count < until) {
@@ -330,7 +337,6 @@ fn write_offset(path: &Path, offset: i64) -> Result<(), SourceError> {
         .map_err(|e| io_error("write", &tmp, e))?;
     fs::rename(&tmp, path).map_err(|e| io_error("replace", path, e))
 }
-
 
 #[cfg(test)]
 mod tests;

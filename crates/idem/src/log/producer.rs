@@ -98,7 +98,6 @@ impl PartWriter {
         }
         Ok(count)
     }
-
 }
 
 /// Fsyncs `file` and records its durable length: the end of this writer's last append (`known`), a record
@@ -244,4 +243,3 @@ impl Publisher for LogProducer {
         Ok(())
     }
 }
-

@@ -71,7 +71,9 @@ pub(super) fn encode(
     record.extend_from_slice(payload);
     let body = &record[HEADER_LEN as usize..];
     let body_len = u32::try_from(body.len()).ok().filter(|&len| len <= MAX_BODY_LEN).ok_or_else(|| {
-        permanent(format!("the message is too large for the embedded log: its record would exceed {MAX_BODY_LEN} bytes"))
+        permanent(format!(
+            "the message is too large for the embedded log: its record would exceed {MAX_BODY_LEN} bytes"
+        ))
     })?;
     let crc = crc32fast::hash(body);
     record[0..4].copy_from_slice(&body_len.to_le_bytes());
@@ -283,7 +285,9 @@ impl<'a> Walker<'a> {
     fn incomplete(&mut self, pos: u64, what: &str) -> Result<Slot, SourceError> {
         let durable = self.durable()?;
         match self.resync(pos)? {
-            Some(end) => Ok(Slot::Damaged { pos, end, what: format!("{what}, yet a valid record follows at byte {end}") }),
+            Some(end) => {
+                Ok(Slot::Damaged { pos, end, what: format!("{what}, yet a valid record follows at byte {end}") })
+            }
             None if pos >= durable => Ok(Slot::Incomplete { pos }),
             None => Ok(Slot::DamagedTail {
                 pos,
@@ -321,7 +325,10 @@ impl<'a> Walker<'a> {
         let mut rest = Vec::new();
         if from < self.len {
             self.reader.seek(SeekFrom::Start(from)).map_err(|e| io_error("seek", self.path, e))?;
-            (&mut self.reader).take(self.len - from).read_to_end(&mut rest).map_err(|e| io_error("read", self.path, e))?;
+            (&mut self.reader)
+                .take(self.len - from)
+                .read_to_end(&mut rest)
+                .map_err(|e| io_error("read", self.path, e))?;
         }
         Ok(rest)
     }
@@ -331,7 +338,8 @@ impl<'a> Walker<'a> {
 pub(super) fn find_record(bytes: &[u8]) -> Option<usize> {
     let header = HEADER_LEN as usize;
     (0..bytes.len().saturating_sub(header - 1)).find(|&at| {
-        let field = |i: usize| u32::from_le_bytes([bytes[at + i], bytes[at + i + 1], bytes[at + i + 2], bytes[at + i + 3]]);
+        let field =
+            |i: usize| u32::from_le_bytes([bytes[at + i], bytes[at + i + 1], bytes[at + i + 2], bytes[at + i + 3]]);
         let body_len = field(0) as usize;
         let start = at + header;
         body_len >= MIN_BODY_LEN

@@ -203,13 +203,19 @@ impl EmbeddedLog {
         validate_name("group", group)?;
         let partitions = self.partitions(topic)?;
         if !(0..partitions).contains(&partition) {
-            return Err(permanent(format!("topic {topic} has {partitions} partitions, there is no partition {partition}")));
+            return Err(permanent(format!(
+                "topic {topic} has {partitions} partitions, there is no partition {partition}"
+            )));
         }
         let group_dir = self.group_dir(group, topic);
         fs::create_dir_all(&group_dir).map_err(|e| io_error("create directory", &group_dir, e))?;
         let lock_path = group_dir.join(format!("{partition}.lock"));
-        let lock =
-            OpenOptions::new().create(true).truncate(false).write(true).open(&lock_path).map_err(|e| io_error("open", &lock_path, e))?;
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| io_error("open", &lock_path, e))?;
         match lock.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => {
@@ -257,7 +263,9 @@ impl EmbeddedLog {
             }
         };
         let mut bytes = vec![0; usize::try_from(end - start).map_err(permanent)?];
-        file.seek(SeekFrom::Start(start)).and_then(|_| file.read_exact(&mut bytes)).map_err(|e| io_error("read", &path, e))?;
+        file.seek(SeekFrom::Start(start))
+            .and_then(|_| file.read_exact(&mut bytes))
+            .map_err(|e| io_error("read", &path, e))?;
         Ok(Skip { partition: subject, offset, start, end, what, bytes, offset_path, _lock: lock })
     }
 
@@ -267,7 +275,9 @@ impl EmbeddedLog {
     pub fn repair_tail(&self, topic: &str, partition: i32) -> Result<Option<Repaired>, SourceError> {
         let partitions = self.partitions(topic)?;
         if !(0..partitions).contains(&partition) {
-            return Err(permanent(format!("topic {topic} has {partitions} partitions, there is no partition {partition}")));
+            return Err(permanent(format!(
+                "topic {topic} has {partitions} partitions, there is no partition {partition}"
+            )));
         }
         let path = self.partition_path(topic, partition);
         let mut file = OpenOptions::new().read(true).write(true).open(&path).map_err(|e| io_error("open", &path, e))?;
@@ -280,7 +290,9 @@ impl EmbeddedLog {
         let mut saved_to = None;
         if pos < len {
             let mut bytes = Vec::new();
-            file.seek(SeekFrom::Start(pos)).and_then(|_| file.read_to_end(&mut bytes)).map_err(|e| io_error("read", &path, e))?;
+            file.seek(SeekFrom::Start(pos))
+                .and_then(|_| file.read_to_end(&mut bytes))
+                .map_err(|e| io_error("read", &path, e))?;
             let side = path.with_extension(format!("damaged-{pos}.bin"));
             File::create(&side)
                 .and_then(|mut f| f.write_all(&bytes).and_then(|()| f.sync_all()))

@@ -334,7 +334,10 @@ async fn a_damaged_length_field_stops_the_reader_and_nothing_after_it_is_lost() 
     let report = &log.inspect("t", false).unwrap()[0];
     assert_eq!((report.end_offset, report.records), (301, 300));
     assert_eq!(report.damage.len(), 1);
-    assert_eq!((report.damage[0].offset, report.damage[0].start, report.damage[0].end), (200, positions[200], positions[201]));
+    assert_eq!(
+        (report.damage[0].offset, report.damage[0].start, report.damage[0].end),
+        (200, positions[200], positions[201])
+    );
     assert_eq!(report.damage[0].kind, "damaged");
 
     // The group moves past it only by an operator's decision, at the offset it stands at.
@@ -342,7 +345,9 @@ async fn a_damaged_length_field_stops_the_reader_and_nothing_after_it_is_lost() 
     assert!(log.prepare_skip("g", "t", 0, 200).unwrap_err().to_string().contains("stop it first"));
     drop(consumer);
     assert!(log.prepare_skip("g", "t", 0, 201).unwrap_err().to_string().contains("stands at offset 200"));
-    assert!(log.prepare_skip("g", "t", 0, 200).is_ok_and(|skip| skip.bytes.len() as u64 == positions[201] - positions[200]));
+    assert!(
+        log.prepare_skip("g", "t", 0, 200).is_ok_and(|skip| skip.bytes.len() as u64 == positions[201] - positions[200])
+    );
     log.prepare_skip("g", "t", 0, 200).unwrap().commit().unwrap();
     let consumer = log.consumer("g", &["t"], to_end()).unwrap();
     let rest = drain(&consumer).await;
@@ -407,7 +412,10 @@ async fn a_torn_tail_past_the_fsynced_part_is_still_truncated() {
     OpenOptions::new().append(true).open(&path).unwrap().write_all(&record[..record.len() - 3]).unwrap();
     let consumer = log.consumer("g", &["t"], to_end()).unwrap();
     assert_eq!(drain(&consumer).await.len(), 5);
-    assert_eq!(log.inspect("t", false).unwrap()[0].torn_tail_at, Some(fs::metadata(&path).unwrap().len() - record.len() as u64 + 3));
+    assert_eq!(
+        log.inspect("t", false).unwrap()[0].torn_tail_at,
+        Some(fs::metadata(&path).unwrap().len() - record.len() as u64 + 3)
+    );
     assert_eq!(log.producer().send_to("t", 0, None, b"next", &[]).unwrap(), 5);
     assert_eq!(payloads(&drain(&consumer).await), vec!["next"]);
 }

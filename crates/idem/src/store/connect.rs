@@ -80,9 +80,15 @@ pub(crate) fn explain(error: &sqlx::Error) -> String {
             let fix = match db.code().as_deref() {
                 Some("28P01" | "28000") => "check the user and password in the URL (or the server's pg_hba.conf)",
                 Some("3D000") => "create the database (`createdb <name>`) or fix its name in the URL",
-                Some("55000") => "the database refuses connections (ALLOW_CONNECTIONS false); an administrator must allow them again",
-                Some("53300") => "the server's or the database's connection limit is reached; close other clients or raise the limit",
-                Some("57P03") => "the server is starting up, shutting down or in recovery; it will accept connections again",
+                Some("55000") => {
+                    "the database refuses connections (ALLOW_CONNECTIONS false); an administrator must allow them again"
+                }
+                Some("53300") => {
+                    "the server's or the database's connection limit is reached; close other clients or raise the limit"
+                }
+                Some("57P03") => {
+                    "the server is starting up, shutting down or in recovery; it will accept connections again"
+                }
                 _ => "see the server's log",
             };
             format!("{} (SQLSTATE {}): {fix}", db.message(), db.code().as_deref().unwrap_or("?"))
