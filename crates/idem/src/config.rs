@@ -35,6 +35,9 @@ pub struct Config {
     pub stats_interval: Duration,
     /// How the marker table is laid out: one plain table (the default) or day/month partitions (PostgreSQL).
     pub layout: MarkerLayout,
+    /// When a run of identical permanent failures holds the consumer instead of dead-lettering (default: 20 in a
+    /// row, 30 s pause; see [`crate::kill_switch`]).
+    pub kill_switch: crate::kill_switch::KillSwitch,
 }
 
 /// The layout of the marker table.
@@ -151,6 +154,7 @@ impl Config {
             stats_interval: Duration::from_secs(60),
             id_reuse: IdReusePolicy::Skip,
             layout: MarkerLayout::Plain,
+            kill_switch: crate::kill_switch::KillSwitch::default(),
         }
     }
 
@@ -159,6 +163,12 @@ impl Config {
     /// `idem markers convert --to partitioned`.
     pub fn partitioned(mut self, period: PartitionPeriod, redelivery_window: Duration) -> Self {
         self.layout = MarkerLayout::Partitioned(Partitioning { period, redelivery_window, create_ahead: 7 });
+        self
+    }
+
+    /// Sets the kill switch ([`crate::KillSwitch::off`] dead-letters every failing message, however many).
+    pub fn kill_switch(mut self, kill_switch: crate::kill_switch::KillSwitch) -> Self {
+        self.kill_switch = kill_switch;
         self
     }
 

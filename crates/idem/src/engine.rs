@@ -27,6 +27,7 @@ use crate::error::{Error, HandlerError, Retry, classify};
 use crate::fault::{FaultPoint, Faults};
 use crate::handler::{BatchHandler, Handler};
 use crate::key::MissingKey;
+use crate::kill_switch::{Breaker, Verdict};
 use crate::message::{Event, Message};
 use crate::source::{Partition, Received, Source};
 use crate::store::{Backend, Claim, NewDeadLetter};
@@ -119,12 +120,14 @@ pub struct Health {
     pub draining: bool,
     /// Partitions with a worker (partitions that delivered messages and were not revoked).
     pub partitions: u64,
+    /// The kill switch tripped: the consumer holds, taking no new work (see [`crate::kill_switch`]).
+    pub paused: bool,
 }
 
 impl Health {
     /// Ready to take work: running, not draining. (Partitions appear with the first message.)
     pub fn ready(&self) -> bool {
-        self.running && !self.draining
+        self.running && !self.draining && !self.paused
     }
 }
 
@@ -162,6 +165,7 @@ struct Inner<DB: Backend> {
     draining: AtomicBool,
     partitions: AtomicU64,
     faults: Faults,
+    breaker: Breaker,
     on_commit: Option<CommitObserver>,
     /// When the marker table's layout was last checked against the configuration (and partitions created ahead).
     layout_checked: tokio::sync::Mutex<Option<Instant>>,
@@ -286,6 +290,7 @@ impl<DB: Backend> Engine<DB> {
     pub fn new(pool: Pool<DB>, config: Config) -> Result<Self, Error> {
         config.validate()?;
         let faults = Faults::from_env()?;
+        let breaker = Breaker::new(config.kill_switch);
         Ok(Engine {
             inner: Arc::new(Inner {
                 pool,
@@ -295,6 +300,7 @@ impl<DB: Backend> Engine<DB> {
                 draining: AtomicBool::new(false),
                 partitions: AtomicU64::new(0),
                 faults,
+                breaker,
                 on_commit: None,
                 layout_checked: tokio::sync::Mutex::new(None),
             }),
@@ -336,7 +342,21 @@ impl<DB: Backend> Engine<DB> {
             running: self.inner.running.load(Ordering::SeqCst),
             draining: self.inner.draining.load(Ordering::SeqCst),
             partitions: self.inner.partitions.load(Ordering::SeqCst),
+            paused: self.inner.breaker.open(),
         }
+    }
+
+    /// Closes a tripped kill switch at once: the consumer tries the message that tripped it again.
+    pub fn resume(&self) {
+        if self.inner.breaker.open() {
+            tracing::info!(consumer_group = %self.inner.config.group, "kill switch closed by request; trying again");
+        }
+        self.inner.breaker.resume();
+    }
+
+    /// How many times the kill switch tripped since the engine was built.
+    pub fn kill_switch_trips(&self) -> u64 {
+        self.inner.breaker.trips()
     }
 
     /// Checks that the database answers (`SELECT 1` on a pooled connection).
@@ -602,32 +622,80 @@ impl<DB: Backend> Engine<DB> {
         let mut steps = VecDeque::from([Step::Range(0..items.len())]);
         while let Some(step) = steps.pop_front() {
             match step {
-                Step::DeadLetter { index, reason, attempts } => {
-                    outcomes.push(self.dead_letter(&items[index], &reason, attempts, stop).await?);
-                }
-                Step::Range(range) if range.is_empty() => {}
-                Step::Range(range) => match self.attempt(&items[range.clone()], apply, stop).await? {
-                    Ok(done) => outcomes.extend(done),
-                    Err((Some(at), reason, attempts)) => {
-                        // Commit what precedes the failing message, dead-letter it, then go on after it.
-                        let index = range.start + at;
-                        steps.push_front(Step::Range(index + 1..range.end));
-                        steps.push_front(Step::DeadLetter { index, reason, attempts });
-                        steps.push_front(Step::Range(range.start..index));
+                Step::DeadLetter { index, reason, attempts } => match self.inner.breaker.failed(&reason) {
+                    (Verdict::DeadLetter, _) => {
+                        outcomes.push(self.dead_letter(&items[index], &reason, attempts, stop).await?);
                     }
-                    Err((None, reason, attempts)) if range.len() == 1 => {
-                        steps.push_front(Step::DeadLetter { index: range.start, reason, attempts });
-                    }
-                    Err((None, _, _)) => {
-                        // The failure cannot be pinned on one message: one message per transaction finds it.
-                        for index in range.rev() {
-                            steps.push_front(Step::Range(index..index + 1));
+                    (Verdict::Hold, tripped) => {
+                        if tripped {
+                            self.tripped(&reason);
                         }
+                        steps.push_front(Step::Range(index..index + 1));
                     }
                 },
+                Step::Range(range) if range.is_empty() => {}
+                Step::Range(range) => {
+                    match self.hold_while_tripped(stop).await?.attempt(&items[range.clone()], apply, stop).await? {
+                        Ok(done) => {
+                            if done.contains(&Outcome::Processed) {
+                                self.inner.breaker.succeeded();
+                            }
+                            outcomes.extend(done)
+                        }
+                        Err((Some(at), reason, attempts)) => {
+                            // Commit what precedes the failing message, dead-letter it, then go on after it.
+                            let index = range.start + at;
+                            steps.push_front(Step::Range(index + 1..range.end));
+                            steps.push_front(Step::DeadLetter { index, reason, attempts });
+                            steps.push_front(Step::Range(range.start..index));
+                        }
+                        Err((None, reason, attempts)) if range.len() == 1 => {
+                            steps.push_front(Step::DeadLetter { index: range.start, reason, attempts });
+                        }
+                        Err((None, _, _)) => {
+                            // The failure cannot be pinned on one message: one message per transaction finds it.
+                            for index in range.rev() {
+                                steps.push_front(Step::Range(index..index + 1));
+                            }
+                        }
+                    }
+                }
             }
         }
         Ok(outcomes)
+    }
+
+    /// Logs and publishes a trip of the kill switch.
+    fn tripped(&self, reason: &str) {
+        let config = &self.inner.config;
+        let group = &config.group;
+        metrics::gauge!("consumer_paused", "consumer_group" => group.clone()).set(1.0);
+        metrics::counter!("kill_switch_trips_total", "consumer_group" => group.clone()).increment(1);
+        tracing::error!(
+            consumer_group = %group,
+            reason,
+            in_a_row = config.kill_switch.threshold,
+            pause = ?config.kill_switch.pause,
+            "kill switch tripped: {} messages in a row failed the same way, which is not their fault; holding every \
+             partition (nothing is acknowledged) and trying again after the pause. Fix the cause, then replay the \
+             messages dead-lettered before the trip: idem dead-letters replay --group {group} --matching '<part of \
+             the reason>' --all (--log-dir DIR | --kafka BROKERS)",
+            config.kill_switch.threshold
+        );
+    }
+
+    /// Waits while the kill switch is open; `Error::Stopped` if the consumer stops meanwhile.
+    async fn hold_while_tripped(&self, stop: &AtomicBool) -> Result<&Self, Error> {
+        let breaker = &self.inner.breaker;
+        if !breaker.open() {
+            return Ok(self);
+        }
+        if !breaker.hold(|| stop.load(Ordering::SeqCst)).await {
+            return Err(Error::Stopped);
+        }
+        metrics::gauge!("consumer_paused", "consumer_group" => self.inner.config.group.clone()).set(0.0);
+        tracing::info!(consumer_group = %self.inner.config.group, "kill switch closed; trying again");
+        Ok(self)
     }
 
     /// Runs one transaction over `items`, retrying what a retry can fix. `Ok(Err(..))` is a failure to isolate:

@@ -46,7 +46,8 @@
 //! * [`source`]: the broker seam ([`Source`], [`Publisher`]) and its contract; [`log`]: the embedded log.
 //! * [`inbox`]: the Sequential Inbox (PostgreSQL): per-context ordering with buffering and a concurrent-safe claim.
 //! * [`gap`]: lost-event detection from producer sequence numbers.
-//! * [`prune`]: bounded, lock-friendly pruning of markers.
+//! * [`prune`]: bounded, lock-friendly pruning of markers. [`kill_switch`]: holding the consumer when every
+//!   message fails the same way.
 //! * [`dead_letter`]: listing and replaying dead letters. [`fault`]: crash injection for tests and the demo.
 //! * [`error`]: errors that say whether a retry can help.
 //! * `kafka` (feature `kafka`): the Kafka source, the producer helper and the retention guard.
@@ -63,6 +64,7 @@ pub mod inbox;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod key;
+pub mod kill_switch;
 pub mod log;
 pub mod message;
 pub mod prune;
@@ -74,6 +76,7 @@ pub use engine::{Committed, Engine, Health, Outcome, StatsSnapshot};
 pub use error::{Error, HandlerError, Retry};
 pub use handler::{BatchHandler, Handler};
 pub use key::{KeyExtractor, MissingKey};
+pub use kill_switch::KillSwitch;
 pub use message::{Event, Message};
 pub use source::{Publisher, Received, Source, SourceError};
 /// The sqlx version idem is built with; handlers use its `PgConnection` and `SqliteConnection`.

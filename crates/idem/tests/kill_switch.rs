@@ -1,0 +1,77 @@
+//! The kill switch: the handler's table dropped mid-run makes every message fail the same way; the consumer holds
+//! after a few dead letters instead of dead-lettering the whole log, and resumes once told.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Ledger, TestPool};
+use idem::log::{ConsumerOptions, EmbeddedLog};
+use idem::{Engine, KillSwitch};
+
+const EVENTS: i64 = 600;
+const THRESHOLD: u32 = 5;
+
+async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn kill_switch_holds_a_storm<DB: idem::Backend>(pool: sqlx::Pool<DB>)
+where
+    sqlx::Pool<DB>: TestPool,
+    Ledger: idem::Handler<DB>,
+{
+    common::setup(&pool).await;
+    let dir = common::temp_dir();
+    let log = EmbeddedLog::open(&dir.0).unwrap();
+    log.create_topic("payments", 2).unwrap();
+    let producer = log.producer();
+    for i in 0..EVENTS {
+        producer.send("payments", None, format!(r#"{{"id":"e{i}","amount":1}}"#).as_bytes(), &[]).unwrap();
+    }
+    producer.flush().unwrap();
+
+    let config = common::config(20).kill_switch(KillSwitch { threshold: THRESHOLD, pause: Duration::from_secs(3600) });
+    let engine = Engine::new(pool.clone(), config).unwrap();
+    let source = log.consumer("ledger-writer", &["payments"], ConsumerOptions::default()).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.run(source, Ledger::default(), stopped).await }
+    });
+    wait_for("a third of the events", async || pool.scalar("SELECT COUNT(*) FROM ledger").await >= EVENTS / 3).await;
+
+    // The handler's table goes away under the consumer: every message fails with the same reason.
+    pool.exec("ALTER TABLE ledger RENAME TO ledger_away").await;
+    wait_for("the kill switch to trip", async || engine.health().paused).await;
+    assert!(!engine.health().ready(), "a tripped consumer is not ready");
+    assert_eq!(engine.kill_switch_trips(), 1);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let dead = pool.scalar("SELECT COUNT(*) FROM dead_letters").await;
+    assert_eq!(dead, i64::from(THRESHOLD) - 1, "the storm stops at the threshold, not at the end of the log");
+    assert_eq!(pool.scalar("SELECT COUNT(DISTINCT error) FROM dead_letters").await, 1);
+    assert!(!run.is_finished(), "the consumer holds; it does not exit");
+
+    // Resumed while the cause is still there: it trips again at once, without another dead letter.
+    engine.resume();
+    wait_for("the switch to trip again", async || engine.kill_switch_trips() == 2).await;
+    assert_eq!(pool.scalar("SELECT COUNT(*) FROM dead_letters").await, dead);
+
+    // Fixed, then resumed: everything else is applied once.
+    pool.exec("ALTER TABLE ledger_away RENAME TO ledger").await;
+    engine.resume();
+    let applied = EVENTS - dead;
+    wait_for("the rest of the log", async || pool.scalar("SELECT COUNT(*) FROM ledger").await >= applied).await;
+    assert!(!engine.health().paused);
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    assert_eq!(pool.scalar("SELECT COUNT(*) FROM ledger").await, applied);
+    assert_eq!(pool.scalar("SELECT COUNT(DISTINCT event_id) FROM ledger").await, applied);
+    assert_eq!(pool.scalar("SELECT COUNT(*) FROM processed_events").await, EVENTS);
+}
+
+on_both!(kill_switch_holds_a_storm);
