@@ -116,17 +116,20 @@ async fn a_consumer_rides_out_an_exhausted_connection_limit() {
         .execute(&mut admin)
         .await
         .unwrap();
-        let mut others = Vec::new();
+        let mut others: Vec<PgConnection> = Vec::new();
+        let mut pids: Vec<i32> = Vec::new();
         while others.len() < 2 {
             match PgConnection::connect(&url).await {
-                Ok(conn) => others.push(conn),
-                // The consumer may have taken a slot back between the two: it is ended again.
+                Ok(mut conn) => {
+                    pids.push(sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut conn).await.unwrap());
+                    others.push(conn);
+                }
+                // The consumer took a slot back between the two: its connections are ended again.
                 Err(_) => {
-                    let end = format!(
-                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}' AND \
-                         application_name = ''"
-                    );
-                    let _ = sqlx::raw_sql(&end).execute(&mut admin).await;
+                    let end = "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND \
+                               pid <> ALL($2)";
+                    let _ = sqlx::query(end).bind(&name).bind(&pids).execute(&mut admin).await;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             }
         }
