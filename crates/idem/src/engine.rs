@@ -748,7 +748,11 @@ impl<DB: Backend> Engine<DB> {
                     }
                     self.count_retry(items);
                     let delay = config.backoff_for(outages);
-                    tracing::warn!(group = %config.group, %error, ?delay, "transient database error; retrying the batch");
+                    if matches!(error, sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut) {
+                        tracing::warn!(group = %config.group, %error, ?delay, outages, "database unreachable; retrying the batch");
+                    } else {
+                        tracing::warn!(group = %config.group, %error, ?delay, "transient database error; retrying the batch");
+                    }
                     tokio::time::sleep(delay).await;
                 }
                 Err(Failure::Database(error)) => return Err(error.into()),

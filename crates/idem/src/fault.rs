@@ -1,6 +1,8 @@
 //! Fault injection: kill the process with SIGKILL at a chosen point of the transaction order.
 //!
-//! Off unless the environment variable `IDEM_FAULT` is set when the engine starts. Its value is
+//! Only with the cargo feature `fault-injection` (the `idem` binary has it; a library user's program does not,
+//! so no environment variable can make it kill itself), and then off unless the environment variable
+//! `IDEM_FAULT` is set when the engine starts. Its value is
 //! `<point>:<n>`: the process kills itself with SIGKILL the n-th time (counting from 1) it reaches `<point>`:
 //!
 //! * `before-commit`: after the handlers ran, before `COMMIT` (the work must be redone after a restart);
@@ -45,9 +47,14 @@ impl Faults {
     }
 
     /// Reads `IDEM_FAULT`; an unreadable value is refused so a test cannot silently run without its fault.
+    /// Without the `fault-injection` feature, no fault: the variable is ignored (and a warning says so).
     pub fn from_env() -> Result<Self, crate::Error> {
         match std::env::var(FAULT_ENV) {
-            Ok(spec) => Self::parse(&spec),
+            Ok(spec) if cfg!(feature = "fault-injection") => Self::parse(&spec),
+            Ok(_) => {
+                tracing::warn!("{FAULT_ENV} is set but ignored: this program is built without fault injection");
+                Ok(Self::none())
+            }
             Err(_) => Ok(Self::none()),
         }
     }
