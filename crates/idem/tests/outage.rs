@@ -40,10 +40,7 @@ async fn consume_through(pool: sqlx::PgPool, log: &EmbeddedLog, outage: impl Asy
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let run = tokio::spawn(async move { engine.run(source, Ledger::default(), stopped).await.map(drop) });
     let count = async |pool: &sqlx::PgPool| -> i64 {
-        match sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM ledger").fetch_one(pool).await {
-            Ok(n) => n,
-            Err(_) => -1,
-        }
+        sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM ledger").fetch_one(pool).await.unwrap_or(-1)
     };
     let deadline = Instant::now() + Duration::from_secs(120);
     while count(&pool).await < EVENTS / 3 {

@@ -496,7 +496,10 @@ mod properties {
         record::encode(7, key.as_deref(), payload, headers).unwrap()
     }
 
-    fn records() -> impl Strategy<Value = Vec<(Option<Vec<u8>>, Vec<u8>, Vec<(String, Vec<u8>)>)>> {
+    /// Key, payload and headers of one record.
+    type Parts = (Option<Vec<u8>>, Vec<u8>, Vec<(String, Vec<u8>)>);
+
+    fn records() -> impl Strategy<Value = Vec<Parts>> {
         let header = ("[a-z-]{0,8}", prop::collection::vec(any::<u8>(), 0..12));
         let record = (
             prop::option::of(prop::collection::vec(any::<u8>(), 0..16)),

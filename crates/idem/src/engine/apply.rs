@@ -1,0 +1,95 @@
+//! User code behind one interface: a [`Handler`] per message or a [`BatchHandler`] per batch ([`Apply`]), and
+//! what a partition worker does with a batch ([`Process`]: the marker path here, the Sequential Inbox elsewhere).
+
+use std::future::Future;
+use std::sync::atomic::AtomicBool;
+
+use super::Engine;
+use crate::error::{Error, HandlerError};
+use crate::handler::{BatchHandler, Handler};
+use crate::message::{Event, Message};
+use crate::store::Backend;
+
+/// The two kinds of user code behind one interface.
+pub(crate) trait Apply<DB: Backend>: Send + Sync {
+    /// Applies `fresh` (the new events, in order); on failure, the index into `fresh` when it is known.
+    fn apply(
+        &self,
+        fresh: &[&Event],
+        tx: &mut DB::Connection,
+    ) -> impl Future<Output = Result<(), (Option<usize>, HandlerError)>> + Send;
+}
+
+/// What a partition worker does with one batch of its partition's messages, in order; the engine's marker path
+/// and the Sequential Inbox are the two implementations. `Err(Error::Stopped)` leaves the batch unacknowledged.
+pub(crate) trait Process<DB: Backend>: Send + Sync + 'static {
+    /// Handles `batch` to the end (committed or dead-lettered), so that it can be acknowledged.
+    fn process(
+        &self,
+        engine: &Engine<DB>,
+        batch: Vec<Message>,
+        stop: &AtomicBool,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+}
+
+/// The marker path: every message of the batch through [`Engine::process_items`].
+pub(super) struct Marked<A>(pub(super) A);
+
+impl<DB: Backend, A: Apply<DB> + 'static> Process<DB> for Marked<A> {
+    async fn process(&self, engine: &Engine<DB>, batch: Vec<Message>, stop: &AtomicBool) -> Result<(), Error> {
+        let items = engine.items(batch);
+        engine.process_items(&items, &self.0, stop).await.map(drop)
+    }
+}
+
+pub(super) struct PerMessage<H>(pub(super) H);
+pub(super) struct PerBatch<B>(pub(super) B);
+pub(crate) struct PerMessageRef<'h, H>(pub(crate) &'h H);
+pub(super) struct PerBatchRef<'h, B>(pub(super) &'h B);
+
+async fn apply_each<DB: Backend, H: Handler<DB>>(
+    handler: &H,
+    fresh: &[&Event],
+    tx: &mut DB::Connection,
+) -> Result<(), (Option<usize>, HandlerError)> {
+    for (i, event) in fresh.iter().enumerate() {
+        handler.handle(event, tx).await.map_err(|e| (Some(i), e))?;
+    }
+    Ok(())
+}
+
+async fn apply_all<DB: Backend, B: BatchHandler<DB>>(
+    handler: &B,
+    fresh: &[&Event],
+    tx: &mut DB::Connection,
+) -> Result<(), (Option<usize>, HandlerError)> {
+    if fresh.is_empty() {
+        return Ok(());
+    }
+    let at = (fresh.len() == 1).then_some(0);
+    handler.handle_batch(fresh, tx).await.map_err(|e| (at, e))
+}
+
+impl<DB: Backend, H: Handler<DB>> Apply<DB> for PerMessage<H> {
+    async fn apply(&self, fresh: &[&Event], tx: &mut DB::Connection) -> Result<(), (Option<usize>, HandlerError)> {
+        apply_each(&self.0, fresh, tx).await
+    }
+}
+
+impl<DB: Backend, H: Handler<DB>> Apply<DB> for PerMessageRef<'_, H> {
+    async fn apply(&self, fresh: &[&Event], tx: &mut DB::Connection) -> Result<(), (Option<usize>, HandlerError)> {
+        apply_each(self.0, fresh, tx).await
+    }
+}
+
+impl<DB: Backend, B: BatchHandler<DB>> Apply<DB> for PerBatch<B> {
+    async fn apply(&self, fresh: &[&Event], tx: &mut DB::Connection) -> Result<(), (Option<usize>, HandlerError)> {
+        apply_all(&self.0, fresh, tx).await
+    }
+}
+
+impl<DB: Backend, B: BatchHandler<DB>> Apply<DB> for PerBatchRef<'_, B> {
+    async fn apply(&self, fresh: &[&Event], tx: &mut DB::Connection) -> Result<(), (Option<usize>, HandlerError)> {
+        apply_all(self.0, fresh, tx).await
+    }
+}

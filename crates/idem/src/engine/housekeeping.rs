@@ -1,0 +1,115 @@
+//! The consumer's background housekeeping: marker gauges, pruning, the partitioned layout's upkeep.
+
+use std::time::Instant;
+
+use super::Engine;
+use crate::error::Error;
+use crate::store::Backend;
+
+impl<DB: Backend> Engine<DB> {
+    /// The consumer's background housekeeping: the marker gauges every `stats_interval` and, when a retention
+    /// is set, a pruning pass every `pruning.interval`. Failures are logged and tried again next time.
+    pub(super) async fn housekeeping(self) {
+        let config = &self.inner.config;
+        let mut stats = tokio::time::interval(config.stats_interval);
+        let mut prune = tokio::time::interval(config.pruning.interval);
+        stats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        prune.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stats.tick() => self.publish_marker_gauges().await,
+                _ = prune.tick(), if config.pruning.retention.is_some() || self.partitioned().is_some() => {
+                    self.prune_once().await
+                }
+            }
+        }
+    }
+
+    pub(super) async fn publish_marker_gauges(&self) {
+        let config = &self.inner.config;
+        match DB::stats(&self.inner.pool, &config.tables, Some(&config.group)).await {
+            Ok(groups) => {
+                let mine = groups.into_iter().find(|g| g.consumer_group == config.group);
+                let (rows, oldest, dead) =
+                    mine.map_or((0, None, 0), |g| (g.markers, g.oldest_marker_age_seconds, g.dead_letters));
+                let group = config.group.clone();
+                metrics::gauge!("processed_events_row_count", "consumer_group" => group.clone()).set(rows as f64);
+                metrics::gauge!("processed_events_oldest_age_seconds", "consumer_group" => group.clone())
+                    .set(oldest.unwrap_or(0.0));
+                metrics::gauge!("dead_letters_stored", "consumer_group" => group).set(dead as f64);
+            }
+            Err(error) => tracing::warn!(%error, "reading marker statistics failed"),
+        }
+    }
+
+    pub(super) fn partitioned(&self) -> Option<&crate::config::Partitioning> {
+        match &self.inner.config.layout {
+            crate::config::MarkerLayout::Partitioned(p) => Some(p),
+            crate::config::MarkerLayout::Plain => None,
+        }
+    }
+
+    /// Checks the marker table's layout against the configuration and creates partitions ahead: at start, and
+    /// again once `pruning.interval` has passed (an engine driven by `process` has no housekeeping task).
+    pub(super) async fn prepare_layout(&self) -> Result<(), Error> {
+        let inner = &self.inner;
+        let mut checked = inner.layout_checked.lock().await;
+        if checked.is_some_and(|at| at.elapsed() < inner.config.pruning.interval) {
+            return Ok(());
+        }
+        DB::prepare_layout(&inner.pool, &inner.config.tables, &inner.config.layout).await?;
+        *checked = Some(Instant::now());
+        Ok(())
+    }
+
+    pub(super) async fn prune_once(&self) {
+        if self.partitioned().is_some() {
+            return self.maintain_partitions().await;
+        }
+        let config = &self.inner.config;
+        let Some(retention) = config.pruning.retention else { return };
+        let group = config.group.clone();
+        let report = crate::prune::prune(
+            &self.inner.pool,
+            &config.tables,
+            Some(&config.group),
+            retention,
+            &config.pruning,
+            |_| {},
+        )
+        .await;
+        match report {
+            Ok(report) => {
+                metrics::counter!("processed_events_pruned_total", "consumer_group" => group.clone())
+                    .increment(report.deleted);
+                metrics::gauge!("processed_events_prune_longest_statement_seconds", "consumer_group" => group)
+                    .set(report.longest_statement.as_secs_f64());
+                tracing::info!(consumer_group = %config.group, deleted = report.deleted, statements = report.statements,
+                    longest_ms = report.longest_statement.as_millis() as u64, "markers pruned");
+            }
+            Err(error) => tracing::warn!(%error, "pruning markers failed; trying again at the next interval"),
+        }
+    }
+
+    /// The partitioned layout's pass: the layout checked again and partitions created ahead, then expired
+    /// partitions dropped whole.
+    pub(super) async fn maintain_partitions(&self) {
+        let config = &self.inner.config;
+        if let Err(error) = DB::prepare_layout(&self.inner.pool, &config.tables, &config.layout).await {
+            tracing::error!(%error, "the marker table no longer has the configured layout: stop this consumer");
+        }
+        let Some(retention) = config.pruning.retention else { return };
+        match DB::drop_expired_partitions(&self.inner.pool, &config.tables, retention).await {
+            Ok((dropped, markers)) => {
+                metrics::counter!("processed_events_pruned_total", "consumer_group" => config.group.clone())
+                    .increment(markers);
+                if !dropped.is_empty() {
+                    tracing::info!(consumer_group = %config.group, ?dropped, markers, "marker partitions dropped");
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, "maintaining marker partitions failed; trying again at the next interval")
+            }
+        }
+    }
+}

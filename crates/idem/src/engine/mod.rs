@@ -1,0 +1,188 @@
+//! The engine: the transaction order, written once.
+//!
+//! For each batch of one partition: `BEGIN` → insert the markers first (`ON CONFLICT DO NOTHING`; the row count
+//! decides) → duplicates are skipped → the handler runs on the new events in the same transaction → `COMMIT` →
+//! only then the broker acknowledgement. A permanent failure of one message rolls the batch back; the messages
+//! before it are committed again without it, the failing message is dead-lettered (its dead-letter row written
+//! in the same transaction as its marker) and the rest go on. A batch handler's failure cannot name the message
+//! at fault, so that batch is re-run one message per transaction.
+//!
+//! [`Engine::run`] consumes a [`Source`]: one task polls it and hands each partition's messages, in order, to a
+//! worker of that partition; workers of different partitions run in parallel, each on its own connection.
+
+mod apply;
+mod batch;
+mod housekeeping;
+mod outcome;
+mod run;
+mod transaction;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
+
+use sqlx::Pool;
+
+use crate::config::Config;
+use crate::error::Error;
+use crate::fault::Faults;
+use crate::handler::{BatchHandler, Handler};
+use crate::kill_switch::Breaker;
+use crate::message::Message;
+use crate::source::Source;
+use crate::store::Backend;
+use apply::{Marked, PerBatch, PerBatchRef, PerMessage};
+pub(crate) use apply::{PerMessageRef, Process};
+pub use outcome::{Committed, Health, Outcome, Stats, StatsSnapshot};
+
+type CommitObserver = Arc<dyn Fn(&Committed) + Send + Sync>;
+
+/// Consumes messages into a database with exactly-once effects. Cheap to clone; clones share counters.
+pub struct Engine<DB: Backend> {
+    inner: Arc<Inner<DB>>,
+}
+
+impl<DB: Backend> Clone for Engine<DB> {
+    fn clone(&self) -> Self {
+        Engine { inner: Arc::clone(&self.inner) }
+    }
+}
+
+struct Inner<DB: Backend> {
+    pool: Pool<DB>,
+    config: Config,
+    stats: Stats,
+    running: AtomicBool,
+    draining: AtomicBool,
+    partitions: AtomicU64,
+    faults: Faults,
+    breaker: Breaker,
+    on_commit: Option<CommitObserver>,
+    /// When the marker table's layout was last checked against the configuration (and partitions created ahead).
+    layout_checked: tokio::sync::Mutex<Option<Instant>>,
+}
+
+impl<DB: Backend> Engine<DB> {
+    /// An engine over `pool` (give it at least one connection per partition this process consumes). Reads the
+    /// fault-injection switch `IDEM_FAULT` (see [`crate::fault`]); refuses an invalid configuration.
+    pub fn new(pool: Pool<DB>, config: Config) -> Result<Self, Error> {
+        config.validate()?;
+        let faults = Faults::from_env()?;
+        let breaker = Breaker::new(config.kill_switch);
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                pool,
+                config,
+                stats: Stats::default(),
+                running: AtomicBool::new(false),
+                draining: AtomicBool::new(false),
+                partitions: AtomicU64::new(0),
+                faults,
+                breaker,
+                on_commit: None,
+                layout_checked: tokio::sync::Mutex::new(None),
+            }),
+        })
+    }
+
+    /// Calls `observer` after every `COMMIT`, before the acknowledgement (progress reporting, tests).
+    /// Must be set before the engine is cloned or run.
+    pub fn on_commit(mut self, observer: impl Fn(&Committed) + Send + Sync + 'static) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.on_commit = Some(Arc::new(observer));
+        }
+        self
+    }
+
+    /// The counters of this engine.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.inner.stats.snapshot()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// The pool the engine's transactions run on.
+    pub(crate) fn pool(&self) -> &Pool<DB> {
+        &self.inner.pool
+    }
+
+    /// The fault injection armed at start-up (`IDEM_FAULT`).
+    pub(crate) fn faults(&self) -> &Faults {
+        &self.inner.faults
+    }
+
+    /// What a readiness probe needs: whether [`Engine::run`] is consuming, draining, and on how many partitions.
+    pub fn health(&self) -> Health {
+        Health {
+            running: self.inner.running.load(Ordering::SeqCst),
+            draining: self.inner.draining.load(Ordering::SeqCst),
+            partitions: self.inner.partitions.load(Ordering::SeqCst),
+            paused: self.inner.breaker.open(),
+        }
+    }
+
+    /// Closes a tripped kill switch at once: the consumer tries the message that tripped it again.
+    pub fn resume(&self) {
+        if self.inner.breaker.open() {
+            tracing::info!(consumer_group = %self.inner.config.group, "kill switch closed by request; trying again");
+        }
+        self.inner.breaker.resume();
+    }
+
+    /// How many times the kill switch tripped since the engine was built.
+    pub fn kill_switch_trips(&self) -> u64 {
+        self.inner.breaker.trips()
+    }
+
+    /// Checks that the database answers (`SELECT 1` on a pooled connection).
+    pub async fn database_reachable(&self) -> bool {
+        match self.inner.pool.acquire().await {
+            Ok(mut conn) => sqlx::Connection::ping(&mut *conn).await.is_ok(),
+            Err(_) => false,
+        }
+    }
+
+    /// Consumes `source` with a per-message handler until the source ends, `shutdown` completes, or a
+    /// non-retryable error stops it. On shutdown, in-flight batches finish and are acknowledged; messages not yet
+    /// started are left unacknowledged, to be delivered again.
+    pub async fn run<S: Source, H: Handler<DB>>(
+        &self,
+        source: S,
+        handler: H,
+        shutdown: impl Future + Send,
+    ) -> Result<StatsSnapshot, Error> {
+        self.run_with(source, Arc::new(Marked(PerMessage(handler))), shutdown).await
+    }
+
+    /// Like [`Engine::run`] with a batch handler, which receives all new events of a batch at once.
+    pub async fn run_batched<S: Source, B: BatchHandler<DB>>(
+        &self,
+        source: S,
+        handler: B,
+        shutdown: impl Future + Send,
+    ) -> Result<StatsSnapshot, Error> {
+        self.run_with(source, Arc::new(Marked(PerBatch(handler))), shutdown).await
+    }
+
+    /// Handles `messages` (of one partition, in order) as one batch with a per-message handler, without a
+    /// source: for custom loops and tests. Returns each message's outcome; nothing is acknowledged.
+    pub async fn process<H: Handler<DB>>(&self, messages: Vec<Message>, handler: &H) -> Result<Vec<Outcome>, Error> {
+        self.prepare_layout().await?;
+        let items = self.items(messages);
+        self.process_items(&items, &PerMessageRef(handler), &AtomicBool::new(false)).await
+    }
+
+    /// Like [`Engine::process`] with a batch handler.
+    pub async fn process_batched<B: BatchHandler<DB>>(
+        &self,
+        messages: Vec<Message>,
+        handler: &B,
+    ) -> Result<Vec<Outcome>, Error> {
+        self.prepare_layout().await?;
+        let items = self.items(messages);
+        self.process_items(&items, &PerBatchRef(handler), &AtomicBool::new(false)).await
+    }
+}

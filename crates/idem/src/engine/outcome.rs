@@ -1,0 +1,180 @@
+//! What became of each message: the outcomes, the counters, the health a probe reads, what a commit reports,
+//! and the metrics and log lines written for them.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use super::Engine;
+use super::batch::{Item, key_of};
+use crate::store::Backend;
+
+/// What became of one message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// New: the marker was inserted and the handler's effects committed with it.
+    Processed,
+    /// Already handled: the marker existed, nothing was applied.
+    Duplicate,
+    /// Failed permanently (or ran out of retries): stored in the dead-letter table with its marker.
+    DeadLettered,
+    /// The id was already used by an event with a different payload: the producer reused it. Not applied;
+    /// logged at WARN with both positions, and dead-lettered too under [`IdReusePolicy::DeadLetter`].
+    IdReused,
+}
+
+impl Outcome {
+    /// The label used in logs and metrics: `processed`, `duplicate`, `dead_lettered`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Processed => "processed",
+            Outcome::Duplicate => "duplicate",
+            Outcome::DeadLettered => "dead_lettered",
+            Outcome::IdReused => "id_reused",
+        }
+    }
+}
+
+/// Counters of what the engine did since it was built. `retried` counts attempts that were rolled back and
+/// run again (the `retried` outcome); the others count messages.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub(super) processed: AtomicU64,
+    pub(super) duplicate: AtomicU64,
+    pub(super) retried: AtomicU64,
+    pub(super) dead_lettered: AtomicU64,
+    pub(super) id_reused: AtomicU64,
+    pub(super) lost: AtomicU64,
+}
+
+/// A copy of [`Stats`] at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StatsSnapshot {
+    /// Messages processed.
+    pub processed: u64,
+    /// Duplicates skipped.
+    pub duplicate: u64,
+    /// Attempts rolled back and retried.
+    pub retried: u64,
+    /// Messages dead-lettered.
+    pub dead_lettered: u64,
+    /// Events whose id had been used by another payload.
+    pub id_reused: u64,
+    /// Events never delivered, from holes in producer sequence numbers (see [`crate::gap`]).
+    pub lost: u64,
+}
+
+impl Stats {
+    /// Reads the counters.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            processed: self.processed.load(Ordering::Relaxed),
+            duplicate: self.duplicate.load(Ordering::Relaxed),
+            retried: self.retried.load(Ordering::Relaxed),
+            dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
+            id_reused: self.id_reused.load(Ordering::Relaxed),
+            lost: self.lost.load(Ordering::Relaxed),
+        }
+    }
+
+    pub(super) fn count(&self, outcome: Outcome) {
+        let counter = match outcome {
+            Outcome::Processed => &self.processed,
+            Outcome::Duplicate => &self.duplicate,
+            Outcome::DeadLettered => &self.dead_lettered,
+            Outcome::IdReused => &self.id_reused,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The engine's state for health checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Health {
+    /// [`Engine::run`] is consuming.
+    pub running: bool,
+    /// A shutdown or the end of the source is draining the in-flight batches.
+    pub draining: bool,
+    /// Partitions with a worker (partitions that delivered messages and were not revoked).
+    pub partitions: u64,
+    /// The kill switch tripped: the consumer holds, taking no new work (see [`crate::kill_switch`]).
+    pub paused: bool,
+}
+
+impl Health {
+    /// Ready to take work: running, not draining. (Partitions appear with the first message.)
+    pub fn ready(&self) -> bool {
+        self.running && !self.draining && !self.paused
+    }
+}
+
+/// What one committed transaction did; given to the commit observer after `COMMIT`, before acknowledgement.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Committed {
+    /// Messages whose effects committed.
+    pub processed: u64,
+    /// Duplicates skipped.
+    pub duplicate: u64,
+    /// Messages dead-lettered.
+    pub dead_lettered: u64,
+    /// Events whose id had been used by another payload.
+    pub id_reused: u64,
+}
+
+impl<DB: Backend> Engine<DB> {
+    /// Counts a committed transaction's outcomes (all of one partition, so of one topic) and tells the
+    /// observer.
+    pub(super) fn committed(&self, topic: &str, outcomes: &[Outcome]) {
+        let mut report = Committed::default();
+        for &outcome in outcomes {
+            self.inner.stats.count(outcome);
+            match outcome {
+                Outcome::Processed => report.processed += 1,
+                Outcome::Duplicate => report.duplicate += 1,
+                Outcome::DeadLettered => report.dead_lettered += 1,
+                Outcome::IdReused => report.id_reused += 1,
+            }
+        }
+        for (outcome, n) in [
+            (Outcome::Processed, report.processed),
+            (Outcome::Duplicate, report.duplicate),
+            (Outcome::DeadLettered, report.dead_lettered),
+            (Outcome::IdReused, report.id_reused),
+        ] {
+            if n > 0 {
+                metrics::counter!("events_handled_total", "consumer_group" => self.inner.config.group.clone(),
+                    "topic" => topic.to_owned(), "outcome" => outcome.as_str())
+                .increment(n);
+            }
+        }
+        if let Some(observer) = &self.inner.on_commit {
+            observer(&report);
+        }
+    }
+
+    pub(super) fn count_retry(&self, items: &[Item]) {
+        self.inner.stats.retried.fetch_add(1, Ordering::Relaxed);
+        let topic = items.first().map_or("", |i| i.message().topic.as_str());
+        metrics::counter!("events_handled_total", "consumer_group" => self.inner.config.group.clone(),
+            "topic" => topic.to_owned(), "outcome" => "retried")
+        .increment(1);
+    }
+
+    pub(super) fn log_outcomes(&self, items: &[Item], outcomes: &[Outcome], started: Instant) {
+        let group = &self.inner.config.group;
+        let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
+        for (item, outcome) in items.iter().zip(outcomes) {
+            let m = item.message();
+            let event_id = key_of(item).unwrap_or("");
+            match outcome {
+                Outcome::Duplicate => tracing::info!(event_id, consumer_group = %group, topic = %m.topic,
+                    partition = m.partition, offset = m.offset, outcome = outcome.as_str(), "duplicate skipped"),
+                Outcome::DeadLettered => tracing::warn!(event_id, consumer_group = %group, topic = %m.topic,
+                    partition = m.partition, offset = m.offset, outcome = outcome.as_str(), "message has no idempotency key; dead-lettered"),
+                Outcome::Processed => tracing::debug!(event_id, consumer_group = %group, topic = %m.topic,
+                    partition = m.partition, offset = m.offset, outcome = outcome.as_str(), batch_ms = elapsed_ms, "processed"),
+                // Logged at WARN, with the first delivery's position, where it was detected.
+                Outcome::IdReused => {}
+            }
+        }
+    }
+}

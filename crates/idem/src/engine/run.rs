@@ -1,0 +1,241 @@
+//! The run loop: one task polls the source and hands each partition's messages, in order, to a worker of that
+//! partition; workers run in parallel, each acknowledging what it committed. Revocations and shutdown drain.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use super::Engine;
+use super::apply::Process;
+use super::outcome::StatsSnapshot;
+use crate::error::{Error, Retry};
+use crate::message::Message;
+use crate::source::{Partition, Received, Source};
+use crate::store::Backend;
+
+impl<DB: Backend> Engine<DB> {
+    pub(crate) async fn run_with<S: Source, P: Process<DB>>(
+        &self,
+        source: S,
+        apply: Arc<P>,
+        shutdown: impl Future + Send,
+    ) -> Result<StatsSnapshot, Error> {
+        self.prepare_layout().await?;
+        let source = Arc::new(source);
+        let _housekeeping = AbortOnDrop(tokio::spawn(self.clone().housekeeping()));
+        self.inner.draining.store(false, Ordering::SeqCst);
+        self.inner.running.store(true, Ordering::SeqCst);
+        let (fatal_tx, mut fatal_rx) = mpsc::unbounded_channel::<Error>();
+        let mut workers: HashMap<Partition, Worker> = HashMap::new();
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut source_failures = 0u32;
+        let stop_reason: Result<(), Error> = 'poll: loop {
+            tokio::select! {
+                biased;
+                error = fatal_rx.recv() => {
+                    if let Some(error) = error { break Err(error); }
+                }
+                _ = &mut shutdown => {
+                    tracing::info!(group = %self.inner.config.group, "shutdown requested: draining in-flight batches");
+                    for worker in workers.values() { worker.stopping.store(true, Ordering::SeqCst); }
+                    break Ok(());
+                }
+                received = source.recv() => match received {
+                    Ok(Some(Received::Message(message))) => {
+                        source_failures = 0;
+                        let key = Partition { topic: message.topic.clone(), partition: message.partition };
+                        if !workers.contains_key(&key) {
+                            let worker = self.spawn_worker(key.clone(), Arc::clone(&source), Arc::clone(&apply), fatal_tx.clone());
+                            workers.insert(key.clone(), worker);
+                            self.inner.partitions.store(workers.len() as u64, Ordering::SeqCst);
+                        }
+                        let Some(worker) = workers.get(&key) else { continue };
+                        tokio::select! {
+                            sent = worker.queue.send(message) => {
+                                if sent.is_err() {
+                                    // The worker is gone: its error is on its way through fatal_rx.
+                                    continue;
+                                }
+                            }
+                            error = fatal_rx.recv() => {
+                                if let Some(error) = error { break 'poll Err(error); }
+                            }
+                            _ = &mut shutdown => {
+                                tracing::info!(group = %self.inner.config.group, "shutdown requested while a partition was full: draining");
+                                for worker in workers.values() { worker.stopping.store(true, Ordering::SeqCst); }
+                                break 'poll Ok(());
+                            }
+                        }
+                    }
+                    Ok(Some(Received::Revoked { partitions, drained })) => {
+                        for partition in &partitions {
+                            if let Some(worker) = workers.remove(partition) {
+                                worker.stopping.store(true, Ordering::SeqCst);
+                                if let Err(error) = worker.finish().await {
+                                    break 'poll Err(error);
+                                }
+                            }
+                        }
+                        self.inner.partitions.store(workers.len() as u64, Ordering::SeqCst);
+                        tracing::info!(?partitions, "revoked partitions drained");
+                        drained.done();
+                    }
+                    Ok(None) => break Ok(()),
+                    Err(error) if error.retry() == Retry::Helps => {
+                        source_failures += 1;
+                        let delay = self.inner.config.backoff_for(source_failures);
+                        tracing::warn!(%error, ?delay, "source failed; retrying");
+                        tokio::time::sleep(delay).await;
+                    }
+                    Err(error) => break Err(error.into()),
+                },
+            }
+        };
+        self.inner.draining.store(true, Ordering::SeqCst);
+        let mut first_error = stop_reason.err();
+        for (_, worker) in workers.drain() {
+            if let Err(error) = worker.finish().await {
+                first_error.get_or_insert(error);
+            }
+        }
+        while let Ok(error) = fatal_rx.try_recv() {
+            first_error.get_or_insert(error);
+        }
+        self.inner.partitions.store(0, Ordering::SeqCst);
+        self.inner.running.store(false, Ordering::SeqCst);
+        match first_error {
+            Some(error) => Err(error),
+            None => Ok(self.stats()),
+        }
+    }
+}
+
+/// One partition's worker: a queue in, a task that handles batches in order.
+struct Worker {
+    queue: mpsc::Sender<Message>,
+    stopping: Arc<AtomicBool>,
+    task: JoinHandle<()>,
+}
+
+impl Worker {
+    /// Closes the queue and waits for the task: the in-flight batch finishes and is acknowledged. A worker's
+    /// own errors reach the engine through its fatal channel; only a panic is returned here.
+    async fn finish(self) -> Result<(), Error> {
+        drop(self.queue);
+        self.task.await.map_err(|join| {
+            Error::Config(format!("a partition worker panicked (a bug in a handler or in idem): {join}"))
+        })
+    }
+}
+
+impl<DB: Backend> Engine<DB> {
+    fn spawn_worker<S: Source, P: Process<DB>>(
+        &self,
+        partition: Partition,
+        source: Arc<S>,
+        apply: Arc<P>,
+        fatal: mpsc::UnboundedSender<Error>,
+    ) -> Worker {
+        let batch_size = self.inner.config.batch_size;
+        // Room for a burst of one partition while the poller feeds the others (at least 256 messages).
+        let (queue, mut inbox) = mpsc::channel::<Message>((batch_size * 2).max(256));
+        let stopping = Arc::new(AtomicBool::new(false));
+        let engine = self.clone();
+        let stop = Arc::clone(&stopping);
+        let task = tokio::spawn(async move {
+            let mut guard = PanicGuard { fatal: Some(fatal.clone()), partition: partition.clone() };
+            let mut gaps = crate::gap::SequenceGaps::default();
+            tracing::debug!(topic = %partition.topic, partition = partition.partition, "partition worker started");
+            while let Some(first) = inbox.recv().await {
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                let mut batch = Vec::with_capacity(batch_size);
+                batch.push(first);
+                while batch.len() < batch_size {
+                    match inbox.try_recv() {
+                        Ok(message) => batch.push(message),
+                        Err(_) => break,
+                    }
+                }
+                let last = batch.last().map(|m| m.offset).unwrap_or_default();
+                engine.detect_gaps(&mut gaps, &batch);
+                match apply.process(&engine, batch, &stop).await {
+                    Ok(_) => {}
+                    Err(Error::Stopped) => break,
+                    Err(error) => {
+                        tracing::error!(%error, topic = %partition.topic, partition = partition.partition, "partition worker stopped");
+                        let _ = fatal.send(error);
+                        guard.fatal = None;
+                        return;
+                    }
+                }
+                let committed = Instant::now();
+                engine.ack(source.as_ref(), &partition, last).await;
+                metrics::gauge!("consumer_offset_commit_lag_seconds", "consumer_group" => engine.inner.config.group.clone(),
+                    "topic" => partition.topic.clone(), "partition" => partition.partition.to_string())
+                .set(committed.elapsed().as_secs_f64());
+            }
+            guard.fatal = None;
+        });
+        Worker { queue, stopping, task }
+    }
+
+    /// Counts events that producer sequence numbers show were never delivered.
+    pub(super) fn detect_gaps(&self, gaps: &mut crate::gap::SequenceGaps, batch: &[Message]) {
+        for message in batch {
+            let lost = gaps.observe(message);
+            if lost > 0 {
+                self.inner.stats.lost.fetch_add(lost, Ordering::Relaxed);
+                metrics::counter!("events_lost_total", "consumer_group" => self.inner.config.group.clone(),
+                    "topic" => message.topic.clone())
+                .increment(lost);
+                tracing::warn!(consumer_group = %self.inner.config.group, topic = %message.topic,
+                    partition = message.partition, offset = message.offset, lost,
+                    "producer sequence jumped: events were lost before this one");
+            }
+        }
+    }
+
+    /// Acknowledges after commit. A failed acknowledgement loses nothing: the messages come again and are
+    /// absorbed as duplicates (a fenced consumer's late commit fails this way), so it is logged, not fatal.
+    pub(super) async fn ack<S: Source>(&self, source: &S, partition: &Partition, offset: i64) {
+        if let Err(error) = source.ack(&partition.topic, partition.partition, offset).await {
+            tracing::warn!(%error, topic = %partition.topic, partition = partition.partition, offset,
+                "acknowledgement failed; the batch will be delivered again and absorbed as duplicates");
+        }
+    }
+}
+
+/// Reports a worker that unwinds (a panic in a handler) as a fatal error, so the engine stops instead of
+/// silently leaving the partition without a worker.
+struct PanicGuard {
+    fatal: Option<mpsc::UnboundedSender<Error>>,
+    partition: Partition,
+}
+
+impl Drop for PanicGuard {
+    fn drop(&mut self) {
+        if let Some(fatal) = self.fatal.take() {
+            let p = &self.partition;
+            let _ = fatal.send(Error::Worker(format!(
+                "the worker of {}/{} panicked (a bug in a handler or in idem); nothing of its batch was acknowledged",
+                p.topic, p.partition
+            )));
+        }
+    }
+}
+
+/// Aborts a background task when dropped, so it ends with the engine run that started it.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
