@@ -57,6 +57,8 @@ struct Log {
     sleep: Mutex<Duration>,
     /// Event ids whose handling runs a failing statement and ignores its error.
     swallow: Mutex<HashSet<String>>,
+    /// Event ids whose handling ends the transaction itself (`ROLLBACK` through `tx`).
+    end: Mutex<HashSet<String>>,
 }
 
 impl Handler<sqlx::Postgres> for Log {
@@ -73,6 +75,9 @@ impl Handler<sqlx::Postgres> for Log {
             .await?;
         if self.swallow.lock().unwrap().contains(&event.id) {
             let _ = sqlx::query("SELECT 1/0").execute(&mut *tx).await;
+        }
+        if self.end.lock().unwrap().contains(&event.id) {
+            sqlx::query("ROLLBACK").execute(&mut *tx).await?;
         }
         if self.flaky.lock().unwrap().remove(&event.id) {
             return Err(HandlerError::retryable("flaky"));
@@ -513,4 +518,24 @@ async fn a_handler_that_swallows_an_error_dead_letters_its_message_and_the_consu
     let reason: String = sqlx::query_scalar("SELECT error FROM dead_letters").fetch_one(&db.pool).await.unwrap();
     assert!(reason.contains("aborted by an earlier error") && reason.contains("savepoint"), "{reason}");
     assert_eq!(handled(&db.pool).await.len(), 1);
+}
+
+/// A released message whose handler ends the transaction itself took the releasing transaction with it: the
+/// attempt fails as a whole (the delivered message is dead-lettered, naming the released one), nothing is recorded
+/// as done, and the released message stays WAITING.
+#[tokio::test]
+async fn a_released_handler_that_ends_the_transaction_fails_the_whole_attempt() {
+    let db = pg().await;
+    setup(&db.pool).await;
+    let inbox = inbox_on(&db.pool, SEQUENCES, InboxTransactions::Shared).await;
+    let log = Log::default();
+    log.end.lock().unwrap().insert("r2".into());
+    assert_eq!(one(&inbox, order("OrderValidated/stock", "o20", "r2"), &log).await, InboxOutcome::Buffered);
+    assert_eq!(one(&inbox, order("OrderCreated", "o20", "r1"), &log).await, InboxOutcome::DeadLettered);
+    let reason: String = sqlx::query_scalar("SELECT error FROM dead_letters").fetch_one(&db.pool).await.unwrap();
+    assert!(reason.contains("ended the transaction itself") && reason.contains("r2"), "{reason}");
+    let states: Vec<String> =
+        sqlx::query_scalar("SELECT status FROM sequenced_message ORDER BY id").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(states, ["WAITING"], "the released message is neither FAILED nor PROCESSED");
+    assert!(handled(&db.pool).await.is_empty(), "nothing of the attempt was kept");
 }

@@ -2,9 +2,9 @@
 //! what a partition worker does with a batch ([`Process`]: the marker path here, the Sequential Inbox elsewhere).
 
 use std::future::Future;
-use std::sync::atomic::AtomicBool;
 
 use super::Engine;
+use super::retry::Shutdown;
 use crate::error::{Error, HandlerError};
 use crate::handler::{BatchHandler, Handler};
 use crate::message::{Event, Message};
@@ -28,7 +28,7 @@ pub(crate) trait Process<DB: Backend>: Send + Sync + 'static {
         &self,
         engine: &Engine<DB>,
         batch: Vec<Message>,
-        stop: &AtomicBool,
+        shutdown: &Shutdown,
     ) -> impl Future<Output = Result<(), Error>> + Send;
 }
 
@@ -36,9 +36,9 @@ pub(crate) trait Process<DB: Backend>: Send + Sync + 'static {
 pub(super) struct Marked<A>(pub(super) A);
 
 impl<DB: Backend, A: Apply<DB> + 'static> Process<DB> for Marked<A> {
-    async fn process(&self, engine: &Engine<DB>, batch: Vec<Message>, stop: &AtomicBool) -> Result<(), Error> {
+    async fn process(&self, engine: &Engine<DB>, batch: Vec<Message>, shutdown: &Shutdown) -> Result<(), Error> {
         let items = engine.items(batch);
-        engine.process_items(&items, &self.0, stop).await.map(drop)
+        engine.process_items(&items, &self.0, shutdown).await.map(drop)
     }
 }
 

@@ -3,14 +3,14 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use super::Engine;
 use super::apply::Apply;
 use super::outcome::Outcome;
+use super::retry::{GaveUp, Retrying, Shutdown, retry};
 use super::transaction::Failure;
-use crate::error::{Error, HandlerError, Retry, classify};
+use crate::error::{Error, HandlerError};
 use crate::key::MissingKey;
 use crate::kill_switch::Verdict;
 use crate::message::{Event, Message};
@@ -29,6 +29,13 @@ impl Item {
             Item::Unkeyed { message, .. } => message,
         }
     }
+}
+
+/// A failure to isolate in a batch: the message at fault when known, the reason, the attempts made.
+pub(super) struct Isolate {
+    at: Option<usize>,
+    reason: String,
+    attempts: u32,
 }
 
 /// Work left in a batch, in order.
@@ -61,7 +68,7 @@ impl<DB: Backend> Engine<DB> {
         &self,
         items: &[Item],
         apply: &A,
-        stop: &AtomicBool,
+        shutdown: &Shutdown,
     ) -> Result<Vec<Outcome>, Error> {
         let mut outcomes = Vec::with_capacity(items.len());
         let mut steps = VecDeque::from([Step::Range(0..items.len())]);
@@ -69,7 +76,7 @@ impl<DB: Backend> Engine<DB> {
             match step {
                 Step::DeadLetter { index, reason, attempts } => match self.inner.breaker.failed(&reason) {
                     (Verdict::DeadLetter, _) => {
-                        outcomes.push(self.dead_letter(&items[index], &reason, attempts, stop).await?);
+                        outcomes.push(self.dead_letter(&items[index], &reason, attempts, shutdown).await?);
                     }
                     (Verdict::Hold, tripped) => {
                         if tripped {
@@ -80,24 +87,29 @@ impl<DB: Backend> Engine<DB> {
                 },
                 Step::Range(range) if range.is_empty() => {}
                 Step::Range(range) => {
-                    match self.hold_while_tripped(stop).await?.attempt(&items[range.clone()], apply, stop).await? {
+                    match self
+                        .hold_while_tripped(shutdown)
+                        .await?
+                        .attempt(&items[range.clone()], apply, shutdown)
+                        .await?
+                    {
                         Ok(done) => {
                             if done.contains(&Outcome::Processed) {
                                 self.inner.breaker.succeeded();
                             }
                             outcomes.extend(done)
                         }
-                        Err((Some(at), reason, attempts)) => {
+                        Err(Isolate { at: Some(at), reason, attempts }) => {
                             // Commit what precedes the failing message, dead-letter it, then go on after it.
                             let index = range.start + at;
                             steps.push_front(Step::Range(index + 1..range.end));
                             steps.push_front(Step::DeadLetter { index, reason, attempts });
                             steps.push_front(Step::Range(range.start..index));
                         }
-                        Err((None, reason, attempts)) if range.len() == 1 => {
+                        Err(Isolate { at: None, reason, attempts }) if range.len() == 1 => {
                             steps.push_front(Step::DeadLetter { index: range.start, reason, attempts });
                         }
-                        Err((None, _, _)) => {
+                        Err(Isolate { at: None, .. }) => {
                             // The failure cannot be pinned on one message: one message per transaction finds it.
                             for index in range.rev() {
                                 steps.push_front(Step::Range(index..index + 1));
@@ -130,12 +142,12 @@ impl<DB: Backend> Engine<DB> {
     }
 
     /// Waits while the kill switch is open; `Error::Stopped` if the consumer stops meanwhile.
-    pub(super) async fn hold_while_tripped(&self, stop: &AtomicBool) -> Result<&Self, Error> {
+    pub(super) async fn hold_while_tripped(&self, shutdown: &Shutdown) -> Result<&Self, Error> {
         let breaker = &self.inner.breaker;
         if !breaker.open() {
             return Ok(self);
         }
-        if !breaker.hold(|| stop.load(Ordering::SeqCst)).await {
+        if !breaker.hold(|| shutdown.triggered()).await {
             return Err(Error::Stopped);
         }
         metrics::gauge!("consumer_paused", "consumer_group" => self.inner.config.group.clone()).set(0.0);
@@ -143,65 +155,43 @@ impl<DB: Backend> Engine<DB> {
         Ok(self)
     }
 
-    /// Runs one transaction over `items`, retrying what a retry can fix. `Ok(Err(..))` is a failure to isolate:
-    /// the index of the message at fault when known, the reason, and the attempts made.
+    /// Runs one transaction over `items`, retrying what a retry can fix. `Ok(Err(..))` is a failure to isolate.
     pub(super) async fn attempt<A: Apply<DB>>(
         &self,
         items: &[Item],
         apply: &A,
-        stop: &AtomicBool,
-    ) -> Result<Result<Vec<Outcome>, (Option<usize>, String, u32)>, Error> {
+        shutdown: &Shutdown,
+    ) -> Result<Result<Vec<Outcome>, Isolate>, Error> {
         let config = &self.inner.config;
-        let mut attempts = 0u32;
-        let mut outages = 0u32;
-        loop {
+        let retrying = Retrying { group: &config.group, what: "the batch", on_retry: &|| self.count_retry(items) };
+        let result = retry(config, shutdown, &retrying, || async {
             let started = Instant::now();
-            attempts += 1;
             match self.transaction(items, apply).await {
-                Ok(outcomes) => {
-                    let topic = items.first().map_or("", |i| i.message().topic.as_str());
-                    metrics::histogram!("event_handle_duration_seconds", "consumer_group" => config.group.clone(),
-                        "topic" => topic.to_owned())
-                    .record(started.elapsed().as_secs_f64());
-                    self.log_outcomes(items, &outcomes, started);
-                    return Ok(Ok(outcomes));
-                }
-                Err(Failure::Handler { at, error: HandlerError::Permanent(reason) }) => {
-                    return Ok(Err((at, reason, attempts)));
-                }
-                Err(Failure::Handler { error: HandlerError::TransactionAborted(reason), .. }) => {
-                    return Ok(Err((None, reason, attempts)));
-                }
-                Err(Failure::Handler { at, error: HandlerError::Retryable(reason) }) => {
-                    if attempts >= config.max_attempts {
-                        let reason = format!("gave up after {attempts} attempts: {reason}");
-                        return Ok(Err((at, reason, attempts)));
-                    }
-                    if stop.load(Ordering::SeqCst) {
-                        return Err(Error::Stopped);
-                    }
-                    self.count_retry(items);
-                    let delay = config.backoff_for(attempts);
-                    tracing::warn!(group = %config.group, reason, attempt = attempts, ?delay, "retryable handler error; retrying the batch");
-                    tokio::time::sleep(delay).await;
-                }
-                Err(Failure::Database(error)) if classify(&error) == Retry::Helps => {
-                    attempts -= 1;
-                    outages += 1;
-                    if stop.load(Ordering::SeqCst) {
-                        return Err(Error::Stopped);
-                    }
-                    self.count_retry(items);
-                    let delay = config.backoff_for(outages);
-                    if matches!(error, sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut) {
-                        tracing::warn!(group = %config.group, %error, ?delay, outages, "database unreachable; retrying the batch");
-                    } else {
-                        tracing::warn!(group = %config.group, %error, ?delay, "transient database error; retrying the batch");
-                    }
-                    tokio::time::sleep(delay).await;
-                }
-                Err(Failure::Database(error)) => return Err(error.into()),
+                Ok(outcomes) => Ok((outcomes, started)),
+                Err(failure) => Err(failure.into_failed()),
             }
+        })
+        .await?;
+        match result {
+            Ok((outcomes, started)) => {
+                let topic = items.first().map_or("", |i| i.message().topic.as_str());
+                metrics::histogram!("event_handle_duration_seconds", "consumer_group" => config.group.clone(),
+                    "topic" => topic.to_owned())
+                .record(started.elapsed().as_secs_f64());
+                self.log_outcomes(items, &outcomes, started);
+                Ok(Ok(outcomes))
+            }
+            Err(GaveUp::Exhausted { attempts, reason, at }) => Ok(Err(Isolate { at, reason, attempts })),
+            Err(GaveUp::Final { attempts, failure }) => match failure {
+                Failure::Handler { error: HandlerError::TransactionAborted(reason), .. } => {
+                    // Not this message's fault: the batch is re-run one message per transaction.
+                    Ok(Err(Isolate { at: None, reason, attempts }))
+                }
+                Failure::Handler { at, error } => Ok(Err(Isolate { at, reason: error.reason().to_owned(), attempts })),
+                Failure::Database(error) => Err(error.into()),
+                // Never final: `into_failed` retries the one and turns the other into a handler failure.
+                Failure::Again | Failure::Ended => Err(Error::Stopped),
+            },
         }
     }
 
@@ -211,29 +201,26 @@ impl<DB: Backend> Engine<DB> {
         item: &Item,
         reason: &str,
         attempts: u32,
-        stop: &AtomicBool,
+        shutdown: &Shutdown,
     ) -> Result<Outcome, Error> {
         let config = &self.inner.config;
-        let mut outages = 0u32;
-        loop {
-            match self.dead_letter_once(item, reason, attempts).await {
-                Ok(outcome) => {
-                    let m = item.message();
-                    if outcome == Outcome::DeadLettered {
-                        tracing::warn!(group = %config.group, topic = %m.topic, partition = m.partition, offset = m.offset,
-                            event_id = ?key_of(item), reason, outcome = outcome.as_str(), "dead-lettered");
-                    }
-                    return Ok(outcome);
+        let retrying = Retrying { group: &config.group, what: "the dead letter", on_retry: &|| {} };
+        let result = retry(config, shutdown, &retrying, || async {
+            self.dead_letter_once(item, reason, attempts).await.map_err(Failure::into_failed)
+        })
+        .await?;
+        match result {
+            Ok(outcome) => {
+                let m = item.message();
+                if outcome == Outcome::DeadLettered {
+                    tracing::warn!(consumer_group = %config.group, topic = %m.topic, partition = m.partition,
+                        offset = m.offset, event_id = key_of(item).unwrap_or(""), reason,
+                        outcome = outcome.as_str(), "dead-lettered");
                 }
-                Err(_) if stop.load(Ordering::SeqCst) => return Err(Error::Stopped),
-                Err(error) if classify(&error) == Retry::Helps => {
-                    outages += 1;
-                    let delay = config.backoff_for(outages);
-                    tracing::warn!(%error, ?delay, "transient database error while dead-lettering; retrying");
-                    tokio::time::sleep(delay).await;
-                }
-                Err(error) => return Err(error.into()),
+                Ok(outcome)
             }
+            Err(GaveUp::Final { failure: Failure::Database(error), .. }) => Err(error.into()),
+            Err(_) => Err(Error::Stopped),
         }
     }
 }

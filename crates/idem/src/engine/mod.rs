@@ -14,6 +14,7 @@ mod apply;
 mod batch;
 mod housekeeping;
 mod outcome;
+mod retry;
 mod run;
 mod transaction;
 
@@ -34,6 +35,8 @@ use crate::store::Backend;
 use apply::{Marked, PerBatch, PerBatchRef, PerMessage};
 pub(crate) use apply::{PerMessageRef, Process};
 pub use outcome::{Committed, Health, Outcome, Stats, StatsSnapshot};
+pub(crate) use retry::{Failed, GaveUp, Retrying, Shutdown, retry};
+pub(crate) use transaction::{End, Failure, check_intact};
 
 type CommitObserver = Arc<dyn Fn(&Committed) + Send + Sync>;
 
@@ -109,11 +112,6 @@ impl<DB: Backend> Engine<DB> {
         &self.inner.pool
     }
 
-    /// The fault injection armed at start-up (`IDEM_FAULT`).
-    pub(crate) fn faults(&self) -> &Faults {
-        &self.inner.faults
-    }
-
     /// What a readiness probe needs: whether [`Engine::run`] is consuming, draining, and on how many partitions.
     pub fn health(&self) -> Health {
         Health {
@@ -172,7 +170,7 @@ impl<DB: Backend> Engine<DB> {
     pub async fn process<H: Handler<DB>>(&self, messages: Vec<Message>, handler: &H) -> Result<Vec<Outcome>, Error> {
         self.prepare_layout().await?;
         let items = self.items(messages);
-        self.process_items(&items, &PerMessageRef(handler), &AtomicBool::new(false)).await
+        self.process_items(&items, &PerMessageRef(handler), &Shutdown::default()).await
     }
 
     /// Like [`Engine::process`] with a batch handler.
@@ -183,6 +181,6 @@ impl<DB: Backend> Engine<DB> {
     ) -> Result<Vec<Outcome>, Error> {
         self.prepare_layout().await?;
         let items = self.items(messages);
-        self.process_items(&items, &PerBatchRef(handler), &AtomicBool::new(false)).await
+        self.process_items(&items, &PerBatchRef(handler), &Shutdown::default()).await
     }
 }

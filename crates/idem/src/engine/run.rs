@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use tokio::sync::mpsc;
@@ -13,6 +13,7 @@ use tokio::task::JoinHandle;
 use super::Engine;
 use super::apply::Process;
 use super::outcome::StatsSnapshot;
+use super::retry::Shutdown;
 use crate::error::{Error, Retry};
 use crate::message::Message;
 use crate::source::{Partition, Received, Source};
@@ -42,7 +43,7 @@ impl<DB: Backend> Engine<DB> {
                 }
                 _ = &mut shutdown => {
                     tracing::info!(group = %self.inner.config.group, "shutdown requested: draining in-flight batches");
-                    for worker in workers.values() { worker.stopping.store(true, Ordering::SeqCst); }
+                    for worker in workers.values() { worker.stopping.trigger(); }
                     break Ok(());
                 }
                 received = source.recv() => match received {
@@ -67,7 +68,7 @@ impl<DB: Backend> Engine<DB> {
                             }
                             _ = &mut shutdown => {
                                 tracing::info!(group = %self.inner.config.group, "shutdown requested while a partition was full: draining");
-                                for worker in workers.values() { worker.stopping.store(true, Ordering::SeqCst); }
+                                for worker in workers.values() { worker.stopping.trigger(); }
                                 break 'poll Ok(());
                             }
                         }
@@ -75,7 +76,7 @@ impl<DB: Backend> Engine<DB> {
                     Ok(Some(Received::Revoked { partitions, drained })) => {
                         for partition in &partitions {
                             if let Some(worker) = workers.remove(partition) {
-                                worker.stopping.store(true, Ordering::SeqCst);
+                                worker.stopping.trigger();
                                 if let Err(error) = worker.finish().await {
                                     break 'poll Err(error);
                                 }
@@ -89,8 +90,16 @@ impl<DB: Backend> Engine<DB> {
                     Err(error) if error.retry() == Retry::Helps => {
                         source_failures += 1;
                         let delay = self.inner.config.backoff_for(source_failures);
-                        tracing::warn!(%error, ?delay, "source failed; retrying");
-                        tokio::time::sleep(delay).await;
+                        tracing::warn!(consumer_group = %self.inner.config.group, %error, ?delay, "source failed; retrying");
+                        // A shutdown during the backoff stops at once.
+                        tokio::select! {
+                            _ = tokio::time::sleep(delay) => {}
+                            _ = &mut shutdown => {
+                                tracing::info!(consumer_group = %self.inner.config.group, "shutdown requested: draining in-flight batches");
+                                for worker in workers.values() { worker.stopping.trigger(); }
+                                break Ok(());
+                            }
+                        }
                     }
                     Err(error) => break Err(error.into()),
                 },
@@ -118,7 +127,7 @@ impl<DB: Backend> Engine<DB> {
 /// One partition's worker: a queue in, a task that handles batches in order.
 struct Worker {
     queue: mpsc::Sender<Message>,
-    stopping: Arc<AtomicBool>,
+    stopping: Shutdown,
     task: JoinHandle<()>,
 }
 
@@ -144,15 +153,15 @@ impl<DB: Backend> Engine<DB> {
         let batch_size = self.inner.config.batch_size;
         // Room for a burst of one partition while the poller feeds the others (at least 256 messages).
         let (queue, mut inbox) = mpsc::channel::<Message>((batch_size * 2).max(256));
-        let stopping = Arc::new(AtomicBool::new(false));
+        let stopping = Shutdown::default();
         let engine = self.clone();
-        let stop = Arc::clone(&stopping);
+        let stop = stopping.clone();
         let task = tokio::spawn(async move {
             let mut guard = PanicGuard { fatal: Some(fatal.clone()), partition: partition.clone() };
             let mut gaps = crate::gap::SequenceGaps::default();
             tracing::debug!(topic = %partition.topic, partition = partition.partition, "partition worker started");
             while let Some(first) = inbox.recv().await {
-                if stop.load(Ordering::SeqCst) {
+                if stop.triggered() {
                     break;
                 }
                 let mut batch = Vec::with_capacity(batch_size);

@@ -1,14 +1,19 @@
-//! The transaction order, written once: `BEGIN` → markers first → the handler on the new events → the check that
-//! the handler left the transaction able to commit → `COMMIT`; the acknowledgement comes after, from the caller.
+//! The transaction order, written once ([`Engine::in_transaction`]): a connection, `BEGIN`, the body (whose first
+//! statement is the claim: markers, or the Sequential Inbox's claim), the check that user code left the
+//! transaction able to commit, the fault point, `COMMIT` with its failure mapped, the report of what committed,
+//! the fault point after it; the acknowledgement comes after, from the caller. The marker path
+//! ([`Engine::transaction`]), the dead-letter path and the Sequential Inbox all run through it.
 
 use std::collections::HashMap;
 
 use sqlx::Connection;
+use sqlx::pool::PoolConnection;
 
 use super::Engine;
 use super::apply::Apply;
 use super::batch::{Item, key_of};
 use super::outcome::Outcome;
+use super::retry::Failed;
 use crate::config::IdReusePolicy;
 use crate::error::{HandlerError, Retry, classify};
 use crate::fault::FaultPoint;
@@ -16,11 +21,121 @@ use crate::message::{Event, Message};
 use crate::store::{Backend, Claim, NewDeadLetter};
 
 /// Why one attempt at a transaction did not commit.
-pub(super) enum Failure {
+pub(crate) enum Failure {
     /// The handler failed; `at` is the index of the item at fault when it is known.
     Handler { at: Option<usize>, error: HandlerError },
     /// idem's own statement failed.
     Database(sqlx::Error),
+    /// The state the attempt read changed under it (a Sequential Inbox instance deleted by housekeeping): run
+    /// it again.
+    Again,
+    /// User code ended the transaction itself (`COMMIT` or `ROLLBACK` through `tx`): the handler's failure, of
+    /// the whole transaction, never of a savepoint inside it.
+    Ended,
+}
+
+impl From<sqlx::Error> for Failure {
+    fn from(error: sqlx::Error) -> Self {
+        Failure::Database(error)
+    }
+}
+
+impl Failure {
+    /// A handler's failure, its message not known.
+    pub(crate) fn handler(error: HandlerError) -> Self {
+        Failure::Handler { at: None, error }
+    }
+
+    /// What the retry loop does with it: a retryable handler error is retried up to `max_attempts`, a transient
+    /// database error without limit, `Again` at once; the rest is final.
+    pub(crate) fn into_failed(self) -> Failed<Failure> {
+        match self {
+            Failure::Handler { at, error: HandlerError::Retryable(reason) } => Failed::Retryable { reason, at },
+            Failure::Database(error) if classify(&error) == Retry::Helps => Failed::Outage(error.to_string()),
+            Failure::Again => Failed::Again,
+            Failure::Ended => Failed::Final(Failure::handler(HandlerError::ended_transaction())),
+            other => Failed::Final(other),
+        }
+    }
+}
+
+/// How a transaction body ends.
+pub(crate) enum End<T> {
+    /// Keep its work.
+    Commit {
+        /// What the transaction did.
+        value: T,
+        /// User code wrote through the transaction: a `COMMIT` that fails for good is its fault (a deferred
+        /// constraint), not idem's.
+        user_writes: bool,
+        /// User code ran last: check the transaction is still intact before `COMMIT` (see [`check_intact`]).
+        check_intact: bool,
+    },
+    /// Nothing to keep (the work turned out to be done already).
+    Rollback(T),
+}
+
+/// Whether user code left the transaction able to commit. A handler that swallowed a database error leaves a
+/// PostgreSQL transaction aborted, where `COMMIT` answers with a silent `ROLLBACK`; one that ran `COMMIT` or
+/// `ROLLBACK` itself ended it. Either is the handler's failure, with the fix in the reason; never reported (or
+/// acknowledged) as committed.
+pub(crate) async fn check_intact<DB: Backend>(conn: &mut DB::Connection) -> Result<(), Failure> {
+    match DB::transaction_intact(conn).await {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(Failure::Ended),
+        Err(error) if classify(&error) == Retry::Helps => Err(Failure::Database(error)),
+        Err(error) => Err(Failure::handler(HandlerError::left_transaction_aborted(&error))),
+    }
+}
+
+impl<DB: Backend> Engine<DB> {
+    /// Runs `body` in a transaction on `conn` and ends it the one way idem ends transactions; `report` sees what
+    /// the transaction did once it is committed (or rolled back by the body's choice), before the after-commit
+    /// fault point and before the caller acknowledges anything.
+    pub(crate) async fn in_transaction<T>(
+        &self,
+        conn: &mut PoolConnection<DB>,
+        body: impl AsyncFnOnce(&mut DB::Connection) -> Result<End<T>, Failure>,
+        report: impl FnOnce(&T),
+    ) -> Result<T, Failure> {
+        let faults = &self.inner.faults;
+        let mut tx = conn.begin().await?;
+        let end = match body(&mut *tx).await {
+            Ok(end) => end,
+            Err(failure) => {
+                let _ = tx.rollback().await;
+                return Err(failure);
+            }
+        };
+        let (value, user_writes) = match end {
+            End::Rollback(value) => {
+                tx.rollback().await?;
+                report(&value);
+                return Ok(value);
+            }
+            End::Commit { value, user_writes, check_intact: check } => {
+                if check && let Err(failure) = check_intact::<DB>(&mut *tx).await {
+                    let _ = tx.rollback().await;
+                    return Err(failure);
+                }
+                (value, user_writes)
+            }
+        };
+        faults.reached(FaultPoint::BeforeCommit);
+        if let Err(error) = tx.commit().await {
+            return Err(match classify(&error) {
+                Retry::Helps => Failure::Database(error),
+                // A deferred constraint of the handler's writes fails at COMMIT: the handler is at fault.
+                Retry::Useless if user_writes => {
+                    Failure::handler(HandlerError::Permanent(format!("commit failed: {error}")))
+                }
+                Retry::Useless => Failure::Database(error),
+            });
+        }
+        report(&value);
+        faults.reached(FaultPoint::AfterCommit);
+        Ok(value)
+    }
 }
 
 /// A dead-letter replay addressed to another consumer group: this group handled the original already.
@@ -29,12 +144,25 @@ fn replayed_for_another_group(message: &Message, group: &str) -> bool {
 }
 
 impl<DB: Backend> Engine<DB> {
-    /// `BEGIN` → markers → handler on the new events → `COMMIT`; the whole transaction order.
+    /// The marker path: markers first, duplicates skipped, the handler on the new events.
     pub(super) async fn transaction<A: Apply<DB>>(&self, items: &[Item], apply: &A) -> Result<Vec<Outcome>, Failure> {
-        let inner = &self.inner;
-        let config = &inner.config;
-        let mut conn = crate::store::connect::connection(&inner.pool).await.map_err(Failure::Database)?;
-        let mut tx = conn.begin().await.map_err(Failure::Database)?;
+        let mut conn = crate::store::connect::connection(&self.inner.pool).await?;
+        let topic = items.first().map_or("", |i| i.message().topic.as_str());
+        self.in_transaction(
+            &mut conn,
+            async |tx| self.claim_and_apply(&mut *tx, items, apply).await,
+            |outcomes| self.committed(topic, outcomes),
+        )
+        .await
+    }
+
+    async fn claim_and_apply<A: Apply<DB>>(
+        &self,
+        tx: &mut DB::Connection,
+        items: &[Item],
+        apply: &A,
+    ) -> Result<End<Vec<Outcome>>, Failure> {
+        let config = &self.inner.config;
 
         // 1. The markers, first statement of the transaction. An id seen twice in one batch is claimed once.
         let mut first_of: HashMap<&str, &Event> = HashMap::with_capacity(items.len());
@@ -67,7 +195,7 @@ impl<DB: Backend> Engine<DB> {
             let mut by_id: Vec<usize> = (0..claimed.len()).collect();
             by_id.sort_unstable_by(|&a, &b| claimed[a].1.id.cmp(&claimed[b].1.id));
             let events: Vec<&Event> = by_id.iter().map(|&i| claimed[i].1).collect();
-            let sorted = DB::claim(&mut tx, &config.tables, &config.layout, &config.group, &events)
+            let sorted = DB::claim(&mut *tx, &config.tables, &config.layout, &config.group, &events)
                 .await
                 .map_err(Failure::Database)?;
             let mut claims: Vec<Option<Claim>> = (0..claimed.len()).map(|_| None).collect();
@@ -84,7 +212,7 @@ impl<DB: Backend> Engine<DB> {
                     Claim::Duplicate => {}
                     Claim::Reused { first } => {
                         outcomes[*index] = Outcome::IdReused;
-                        self.id_reused(&mut tx, event, &first).await.map_err(Failure::Database)?;
+                        self.id_reused(&mut *tx, event, &first).await.map_err(Failure::Database)?;
                     }
                 }
             }
@@ -92,7 +220,7 @@ impl<DB: Backend> Engine<DB> {
 
         for (index, event, first) in reused_in_batch {
             outcomes[index] = Outcome::IdReused;
-            self.id_reused(&mut tx, event, &first).await.map_err(Failure::Database)?;
+            self.id_reused(&mut *tx, event, &first).await.map_err(Failure::Database)?;
         }
 
         // 2. Messages without a key cannot be deduplicated or handled: dead letters, in this transaction.
@@ -100,49 +228,17 @@ impl<DB: Backend> Engine<DB> {
             if let Item::Unkeyed { message, reason } = item {
                 let reason = reason.to_string();
                 let letter = NewDeadLetter { event_id: None, message, error: &reason, attempts: 1 };
-                DB::dead_letter(&mut tx, &config.tables, &config.group, &letter).await.map_err(Failure::Database)?;
+                DB::dead_letter(&mut *tx, &config.tables, &config.group, &letter).await.map_err(Failure::Database)?;
                 outcomes[index] = Outcome::DeadLettered;
             }
         }
 
-        // 3. The user's effects, in the same transaction.
-        if let Err((at, error)) = apply.apply(&fresh, &mut tx).await {
-            let _ = tx.rollback().await;
+        // 3. The user's effects, in the same transaction; checked intact before COMMIT.
+        if let Err((at, error)) = apply.apply(&fresh, &mut *tx).await {
             return Err(Failure::Handler { at: at.map(|i| fresh_at[i]), error });
         }
-
-        // 4. COMMIT; the acknowledgement comes after, from the caller. A handler that swallowed a database
-        // error can leave the transaction aborted, where PostgreSQL answers COMMIT with a silent ROLLBACK:
-        // check first, so such a batch is never reported (and acknowledged) as committed.
-        if !fresh.is_empty() {
-            match DB::transaction_intact(&mut tx).await {
-                Ok(true) => {}
-                Ok(false) => {
-                    let _ = tx.rollback().await;
-                    return Err(Failure::Handler { at: None, error: HandlerError::ended_transaction() });
-                }
-                Err(error) if classify(&error) == Retry::Helps => return Err(Failure::Database(error)),
-                Err(error) => {
-                    let _ = tx.rollback().await;
-                    return Err(Failure::Handler { at: None, error: HandlerError::left_transaction_aborted(&error) });
-                }
-            }
-        }
-        inner.faults.reached(FaultPoint::BeforeCommit);
-        if let Err(error) = tx.commit().await {
-            return Err(match classify(&error) {
-                Retry::Helps => Failure::Database(error),
-                // A deferred constraint of the handler's writes fails at COMMIT: the handler is at fault.
-                Retry::Useless if !fresh.is_empty() => {
-                    Failure::Handler { at: None, error: HandlerError::Permanent(format!("commit failed: {error}")) }
-                }
-                Retry::Useless => Failure::Database(error),
-            });
-        }
-        let topic = items.first().map_or("", |i| i.message().topic.as_str());
-        self.committed(topic, &outcomes);
-        inner.faults.reached(FaultPoint::AfterCommit);
-        Ok(outcomes)
+        let user_code = !fresh.is_empty();
+        Ok(End::Commit { value: outcomes, user_writes: user_code, check_intact: user_code })
     }
 
     /// A reused id: logged with both positions, and dead-lettered in this transaction when the policy says so.
@@ -167,41 +263,32 @@ impl<DB: Backend> Engine<DB> {
                 event.id
             );
             let letter = NewDeadLetter { event_id: None, message: m, error: &reason, attempts: 1 };
-            DB::dead_letter(tx, &config.tables, &config.group, &letter).await?;
+            DB::dead_letter(&mut *tx, &config.tables, &config.group, &letter).await?;
         }
         Ok(())
     }
 
-    pub(super) async fn dead_letter_once(
-        &self,
-        item: &Item,
-        reason: &str,
-        attempts: u32,
-    ) -> Result<Outcome, sqlx::Error> {
-        let inner = &self.inner;
-        let config = &inner.config;
-        let mut conn = crate::store::connect::connection(&inner.pool).await?;
-        let mut tx = conn.begin().await?;
-        if let Item::Keyed(event) = item {
-            let claims = DB::claim(&mut tx, &config.tables, &config.layout, &config.group, &[event]).await?;
-            if claims.first() != Some(&Claim::New) {
-                // Another consumer handled it in the meantime: nothing to dead-letter.
-                tx.rollback().await?;
-                self.committed(&item.message().topic, &[Outcome::Duplicate]);
-                return Ok(Outcome::Duplicate);
+    /// One message's dead letter, in a transaction with its marker; `Duplicate` when someone else handled it.
+    pub(super) async fn dead_letter_once(&self, item: &Item, reason: &str, attempts: u32) -> Result<Outcome, Failure> {
+        let config = &self.inner.config;
+        let mut conn = crate::store::connect::connection(&self.inner.pool).await?;
+        let body = async |tx: &mut DB::Connection| {
+            if let Item::Keyed(event) = item {
+                let claims = DB::claim(&mut *tx, &config.tables, &config.layout, &config.group, &[event]).await?;
+                if claims.first() != Some(&Claim::New) {
+                    // Another consumer handled it in the meantime: nothing to dead-letter.
+                    return Ok(End::Rollback(Outcome::Duplicate));
+                }
             }
-        }
-        let letter = NewDeadLetter {
-            event_id: key_of(item),
-            message: item.message(),
-            error: reason,
-            attempts: i32::try_from(attempts).unwrap_or(i32::MAX),
+            let letter = NewDeadLetter {
+                event_id: key_of(item),
+                message: item.message(),
+                error: reason,
+                attempts: i32::try_from(attempts).unwrap_or(i32::MAX),
+            };
+            DB::dead_letter(&mut *tx, &config.tables, &config.group, &letter).await?;
+            Ok(End::Commit { value: Outcome::DeadLettered, user_writes: false, check_intact: false })
         };
-        DB::dead_letter(&mut tx, &config.tables, &config.group, &letter).await?;
-        inner.faults.reached(FaultPoint::BeforeCommit);
-        tx.commit().await?;
-        self.committed(&item.message().topic, &[Outcome::DeadLettered]);
-        inner.faults.reached(FaultPoint::AfterCommit);
-        Ok(Outcome::DeadLettered)
+        self.in_transaction(&mut conn, body, |outcome| self.committed(&item.message().topic, &[*outcome])).await
     }
 }

@@ -11,6 +11,7 @@ use sqlx::{Connection, PgConnection, Postgres, Row};
 use super::SequentialInbox;
 use super::process::Failure;
 use super::store;
+use crate::engine::End;
 use crate::error::Error;
 use crate::handler::Handler;
 use crate::message::Message;
@@ -106,20 +107,26 @@ impl SequentialInbox {
                 continue;
             };
             let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
-            let mut tx = conn.begin().await?;
-            let Some(open) = store::lock_instance(&mut tx, tables, instance).await? else { continue };
-            let names = store::processed_types(&mut tx, tables, instance).await?;
-            let mut processed: HashSet<_> = names.iter().filter_map(|n| super::QualifiedType::parse(n).ok()).collect();
-            let count = match self.release(&mut tx, sequence, instance, &mut processed, handler).await {
+            let shared = self.config.transactions == super::InboxTransactions::Shared;
+            let body = async |tx: &mut sqlx::PgConnection| {
+                let Some(open) = store::lock_instance(&mut *tx, tables, instance).await? else {
+                    return Ok(End::Rollback(0));
+                };
+                let names = store::processed_types(&mut *tx, tables, instance).await?;
+                let mut processed: HashSet<_> =
+                    names.iter().filter_map(|n| super::QualifiedType::parse(n).ok()).collect();
+                let count = self.release(&mut *tx, sequence, instance, &mut processed, handler).await?;
+                let types = &self.config.sequences[sequence].types;
+                if open && types.iter().all(|t| processed.contains(&t.qualified)) {
+                    store::close(&mut *tx, tables, instance).await?;
+                }
+                Ok(End::Commit { value: count, user_writes: shared && count > 0, check_intact: false })
+            };
+            let count = match self.engine.in_transaction(&mut conn, body, |_| {}).await {
                 Ok(count) => count,
                 Err(Failure::Database(error)) => return Err(error.into()),
                 Err(_) => continue,
             };
-            let types = &self.config.sequences[sequence].types;
-            if open && types.iter().all(|t| processed.contains(&t.qualified)) {
-                store::close(&mut tx, tables, instance).await?;
-            }
-            tx.commit().await?;
             released += count as u64;
         }
         Ok(released)

@@ -276,7 +276,7 @@ impl SequentialInbox {
         messages: Vec<Message>,
         handler: &H,
     ) -> Result<Vec<InboxOutcome>, Error> {
-        self.process_batch(messages, handler, &std::sync::atomic::AtomicBool::new(false)).await
+        self.process_batch(messages, handler, &crate::engine::Shutdown::default()).await
     }
 
     /// Where `message` goes: its qualified type, the filter, the context id and the idempotence id decide.

@@ -2,16 +2,16 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
 use sqlx::{Connection, PgConnection, Postgres};
 
 use super::store::{self, Status, Waiting};
 use super::{InboxOutcome, InboxTransactions, QualifiedType, Route, Sequenced, SequentialInbox};
-use crate::engine::{Engine, PerMessageRef, Process};
+pub(crate) use crate::engine::Failure;
+use crate::engine::{End, Engine, Failed, GaveUp, PerMessageRef, Process, Retrying, Shutdown, check_intact, retry};
 use crate::error::{Error, HandlerError, Retry, classify};
-use crate::fault::FaultPoint;
 use crate::handler::Handler;
 use crate::message::{Event, Message};
 use crate::store::{Backend, NewDeadLetter};
@@ -23,31 +23,16 @@ pub(crate) struct InboxProcess<H> {
 }
 
 impl<H: Handler<Postgres>> Process<Postgres> for InboxProcess<H> {
-    async fn process(&self, _engine: &Engine<Postgres>, batch: Vec<Message>, stop: &AtomicBool) -> Result<(), Error> {
-        self.inbox.process_batch(batch, self.handler.as_ref(), stop).await.map(drop)
+    async fn process(&self, _engine: &Engine<Postgres>, batch: Vec<Message>, shutdown: &Shutdown) -> Result<(), Error> {
+        self.inbox.process_batch(batch, self.handler.as_ref(), shutdown).await.map(drop)
     }
 }
 
-/// Why one attempt did not commit.
-pub(crate) enum Failure {
-    /// The handler failed on the message being delivered.
-    Handler(HandlerError),
-    /// idem's own statement failed.
-    Database(sqlx::Error),
-    /// The instance was deleted between resolving it and claiming (housekeeping): resolve it again.
-    InstanceGone,
-}
-
-impl From<sqlx::Error> for Failure {
-    fn from(error: sqlx::Error) -> Self {
-        Failure::Database(error)
-    }
-}
-
-/// The claim's own errors: a foreign-key violation there means the instance was deleted after it was resolved.
+/// The claim's own errors: a foreign-key violation there means the instance was deleted after it was resolved
+/// (by housekeeping): resolve it again.
 fn claim_failure(error: sqlx::Error) -> Failure {
     match &error {
-        sqlx::Error::Database(db) if db.code().as_deref() == Some("23503") => Failure::InstanceGone,
+        sqlx::Error::Database(db) if db.kind() == sqlx::error::ErrorKind::ForeignKeyViolation => Failure::Again,
         _ => Failure::Database(error),
     }
 }
@@ -59,7 +44,7 @@ impl SequentialInbox {
         &self,
         batch: Vec<Message>,
         handler: &H,
-        stop: &AtomicBool,
+        shutdown: &Shutdown,
     ) -> Result<Vec<InboxOutcome>, Error> {
         let mut outcomes = Vec::with_capacity(batch.len());
         let mut direct: Vec<Message> = Vec::new();
@@ -69,19 +54,21 @@ impl SequentialInbox {
                 direct.push(message);
                 continue;
             }
-            self.process_direct(std::mem::take(&mut direct), handler, stop, &mut outcomes).await?;
+            self.process_direct(std::mem::take(&mut direct), handler, shutdown, &mut outcomes).await?;
             match route {
                 Route::Direct(_) => {}
-                Route::Sequenced(sequenced) => outcomes.push(self.process_sequenced(&sequenced, handler, stop).await?),
+                Route::Sequenced(sequenced) => {
+                    outcomes.push(self.process_sequenced(&sequenced, handler, shutdown).await?)
+                }
                 Route::Refused { message, reason } => {
                     tracing::warn!(topic = %message.topic, partition = message.partition, offset = message.offset,
                         reason, "message cannot be sequenced; dead-lettered");
-                    self.dead_letter(None, &message, &reason, 1, stop).await?;
+                    self.dead_letter(None, &message, &reason, 1, shutdown).await?;
                     outcomes.push(InboxOutcome::DeadLettered);
                 }
             }
         }
-        self.process_direct(direct, handler, stop, &mut outcomes).await?;
+        self.process_direct(direct, handler, shutdown, &mut outcomes).await?;
         Ok(outcomes)
     }
 
@@ -89,14 +76,14 @@ impl SequentialInbox {
         &self,
         messages: Vec<Message>,
         handler: &H,
-        stop: &AtomicBool,
+        shutdown: &Shutdown,
         outcomes: &mut Vec<InboxOutcome>,
     ) -> Result<(), Error> {
         if messages.is_empty() {
             return Ok(());
         }
         let items = self.engine.items(messages);
-        let done = self.engine.process_items(&items, &PerMessageRef(handler), stop).await?;
+        let done = self.engine.process_items(&items, &PerMessageRef(handler), shutdown).await?;
         outcomes.extend(done.into_iter().map(InboxOutcome::Direct));
         Ok(())
     }
@@ -107,82 +94,51 @@ impl SequentialInbox {
         &self,
         sequenced: &Sequenced,
         handler: &H,
-        stop: &AtomicBool,
+        shutdown: &Shutdown,
     ) -> Result<InboxOutcome, Error> {
         let config = self.engine.config();
         let sequence = &self.config.sequences[sequenced.sequence];
         self.count(Count::Consumed, sequenced.sequence, 1);
-        let (mut attempts, mut outages) = (0u32, 0u32);
-        loop {
-            attempts += 1;
+        let retrying = Retrying { group: &config.group, what: "the sequenced message", on_retry: &|| {} };
+        let result = retry(config, shutdown, &retrying, || async {
             // Separate mode holds two connections per attempt: at most half the pool's attempts run at once, so
             // the claim transactions can never take every connection the handlers need.
             let _slot = match &self.separate_slots {
-                Some(slots) => Some(slots.acquire().await.map_err(|_| Error::Stopped)?),
+                Some(slots) => Some(slots.acquire().await.map_err(|_| Failed::Final(Failure::Again))?),
                 None => None,
             };
-            let reason = match self.attempt(sequenced, handler).await {
-                Ok(outcome) => {
-                    self.count_outcome(sequenced, outcome);
-                    return Ok(outcome);
-                }
-                Err(Failure::InstanceGone) => {
-                    // Housekeeping deleted the instance between its lookup and the claim: look it up again.
-                    attempts -= 1;
-                    if stop.load(Ordering::SeqCst) {
-                        return Err(Error::Stopped);
-                    }
-                    tokio::time::sleep(config.backoff_for(1)).await;
-                    continue;
-                }
-                Err(Failure::Handler(HandlerError::Retryable(reason))) if attempts < config.max_attempts => {
-                    if stop.load(Ordering::SeqCst) {
-                        return Err(Error::Stopped);
-                    }
-                    let delay = config.backoff_for(attempts);
-                    tracing::warn!(sequence = %sequence.name, event_id = %sequenced.event.id, reason, attempt = attempts,
-                        ?delay, "retryable handler error; retrying the message");
-                    tokio::time::sleep(delay).await;
-                    continue;
-                }
-                Err(Failure::Handler(HandlerError::Retryable(reason))) => {
-                    format!("gave up after {attempts} attempts: {reason}")
-                }
-                Err(Failure::Handler(HandlerError::Permanent(reason) | HandlerError::TransactionAborted(reason))) => {
-                    reason
-                }
-                Err(Failure::Database(error)) if classify(&error) == Retry::Helps => {
-                    attempts -= 1;
-                    outages += 1;
-                    if stop.load(Ordering::SeqCst) {
-                        return Err(Error::Stopped);
-                    }
-                    let delay = config.backoff_for(outages);
-                    tracing::warn!(%error, ?delay, "transient database error; retrying the message");
-                    tokio::time::sleep(delay).await;
-                    continue;
-                }
-                Err(Failure::Database(error)) => return Err(error.into()),
-            };
-            // The claim was rolled back with the attempt: a resend of this message can claim it again.
-            let m = &sequenced.event.message;
-            tracing::warn!(sequence = %sequence.name, context_id = %sequenced.context, event_id = %sequenced.event.id,
-                topic = %m.topic, partition = m.partition, offset = m.offset, reason, "sequenced message dead-lettered");
-            let reason =
-                format!("`{}` {}: {reason}", sequence.types[sequenced.message_type].qualified, sequenced.event.id);
-            self.dead_letter(None, m, &reason, attempts, stop).await?;
-            self.count_outcome(sequenced, InboxOutcome::DeadLettered);
-            return Ok(InboxOutcome::DeadLettered);
-        }
+            self.attempt(sequenced, handler).await.map_err(Failure::into_failed)
+        })
+        .await?;
+        let (reason, attempts) = match result {
+            Ok(outcome) => {
+                self.count_outcome(sequenced, outcome);
+                return Ok(outcome);
+            }
+            Err(GaveUp::Exhausted { attempts, reason, .. }) => (reason, attempts),
+            Err(GaveUp::Final { attempts, failure: Failure::Handler { error, .. } }) => {
+                (error.reason().to_owned(), attempts)
+            }
+            Err(GaveUp::Final { failure: Failure::Database(error), .. }) => return Err(error.into()),
+            // Never final: `into_failed` retries the one and turns the other into a handler failure.
+            Err(GaveUp::Final { failure: Failure::Again | Failure::Ended, .. }) => return Err(Error::Stopped),
+        };
+        // The claim was rolled back with the attempt: a resend of this message can claim it again.
+        let m = &sequenced.event.message;
+        tracing::warn!(consumer_group = %config.group, sequence = %sequence.name, context_id = %sequenced.context,
+            event_id = %sequenced.event.id, topic = %m.topic, partition = m.partition, offset = m.offset, reason,
+            "sequenced message dead-lettered");
+        let reason = format!("`{}` {}: {reason}", sequence.types[sequenced.message_type].qualified, sequenced.event.id);
+        self.dead_letter(None, m, &reason, attempts, shutdown).await?;
+        self.count_outcome(sequenced, InboxOutcome::DeadLettered);
+        Ok(InboxOutcome::DeadLettered)
     }
 
-    /// One transaction: claim, lock, decide, handle or buffer, release, close, commit.
+    /// One transaction: claim, lock, decide, handle or buffer, release, close, commit (the engine's transaction
+    /// order). The instance is found or created just before, on the same connection.
     async fn attempt<H: Handler<Postgres>>(&self, sequenced: &Sequenced, handler: &H) -> Result<InboxOutcome, Failure> {
         let tables = &self.engine.config().tables;
         let sequence = &self.config.sequences[sequenced.sequence];
-        let message_type = &sequence.types[sequenced.message_type];
-        let type_name = message_type.qualified.to_string();
-        let event = &sequenced.event;
         let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
         let instance = store::resolve_instance(
             &mut conn,
@@ -192,21 +148,34 @@ impl SequentialInbox {
             sequence.retention.as_secs_f64(),
         )
         .await?;
-        let mut tx = conn.begin().await?;
-        if !store::claim(&mut tx, tables, &type_name, &event.id, instance).await.map_err(claim_failure)? {
-            tx.commit().await?;
-            return Ok(InboxOutcome::Duplicate);
+        let body = async |tx: &mut PgConnection| self.decide(tx, sequenced, instance, handler).await;
+        self.engine.in_transaction(&mut conn, body, |_| {}).await
+    }
+
+    /// The body of [`SequentialInbox::attempt`]: claim first, then everything under the instance lock.
+    async fn decide<H: Handler<Postgres>>(
+        &self,
+        tx: &mut PgConnection,
+        sequenced: &Sequenced,
+        instance: i64,
+        handler: &H,
+    ) -> Result<End<InboxOutcome>, Failure> {
+        let tables = &self.engine.config().tables;
+        let sequence = &self.config.sequences[sequenced.sequence];
+        let message_type = &sequence.types[sequenced.message_type];
+        let type_name = message_type.qualified.to_string();
+        let event = &sequenced.event;
+        let duplicate = End::Commit { value: InboxOutcome::Duplicate, user_writes: false, check_intact: false };
+        if !store::claim(&mut *tx, tables, &type_name, &event.id, instance).await.map_err(claim_failure)? {
+            return Ok(duplicate);
         }
-        let Some(open) = store::lock_instance(&mut tx, tables, instance).await? else {
-            return Err(Failure::InstanceGone);
+        let Some(open) = store::lock_instance(&mut *tx, tables, instance).await? else {
+            return Err(Failure::Again);
         };
-        let state = store::state(&mut tx, tables, instance, &type_name, &event.id).await?;
+        let state = store::state(&mut *tx, tables, instance, &type_name, &event.id).await?;
         let replaces = match state.existing {
             // Stored before claims existed, or by a consumer whose claim was lost: already handled or buffered.
-            Some((_, Status::Processed | Status::Waiting)) => {
-                tx.commit().await?;
-                return Ok(InboxOutcome::Duplicate);
-            }
+            Some((_, Status::Processed | Status::Waiting)) => return Ok(duplicate),
             Some((id, Status::Failed)) => Some(id),
             None => None,
         };
@@ -214,45 +183,28 @@ impl SequentialInbox {
             state.processed.iter().filter_map(|n| QualifiedType::parse(n).ok()).collect();
         let recording = sequence.recording(SystemTime::now());
         let ready = recording || message_type.release.as_ref().is_none_or(|c| c.holds(&processed));
-        let outcome = if ready {
-            self.handle(handler, event, &mut tx).await?;
-            store::record(
-                &mut tx,
-                tables,
-                instance,
-                &type_name,
-                &event.id,
-                &event.message,
-                Status::Processed,
-                replaces,
-            )
-            .await?;
-            processed.insert(message_type.qualified.clone());
-            let released = if state.waiting == 0 {
-                0
-            } else {
-                self.release(&mut tx, sequenced.sequence, instance, &mut processed, handler).await?
-            };
-            if open && sequence.types.iter().all(|t| processed.contains(&t.qualified)) {
-                store::close(&mut tx, tables, instance).await?;
-            }
-            if recording { InboxOutcome::Recorded } else { InboxOutcome::Processed { released } }
-        } else {
-            store::record(&mut tx, tables, instance, &type_name, &event.id, &event.message, Status::Waiting, replaces)
+        if !ready {
+            store::record(&mut *tx, tables, instance, &type_name, &event.id, &event.message, Status::Waiting, replaces)
                 .await?;
-            InboxOutcome::Buffered
-        };
-        self.engine.faults().reached(FaultPoint::BeforeCommit);
-        if let Err(error) = tx.commit().await {
-            return Err(match classify(&error) {
-                Retry::Helps => Failure::Database(error),
-                // A deferred constraint of the handler's writes fails at COMMIT: the handler is at fault.
-                Retry::Useless if ready => Failure::Handler(HandlerError::Permanent(format!("commit failed: {error}"))),
-                Retry::Useless => Failure::Database(error),
-            });
+            return Ok(End::Commit { value: InboxOutcome::Buffered, user_writes: false, check_intact: false });
         }
-        self.engine.faults().reached(FaultPoint::AfterCommit);
-        Ok(outcome)
+        self.handle(handler, event, &mut *tx).await?;
+        store::record(&mut *tx, tables, instance, &type_name, &event.id, &event.message, Status::Processed, replaces)
+            .await?;
+        processed.insert(message_type.qualified.clone());
+        let released = if state.waiting == 0 {
+            0
+        } else {
+            self.release(&mut *tx, sequenced.sequence, instance, &mut processed, handler).await?
+        };
+        if open && sequence.types.iter().all(|t| processed.contains(&t.qualified)) {
+            store::close(&mut *tx, tables, instance).await?;
+        }
+        let value = if recording { InboxOutcome::Recorded } else { InboxOutcome::Processed { released } };
+        // The handler's writes share this transaction in shared mode (checked intact right after it ran, before
+        // idem's own statements): a COMMIT failing for good is then theirs.
+        let user_writes = self.config.transactions == InboxTransactions::Shared;
+        Ok(End::Commit { value, user_writes, check_intact: false })
     }
 
     /// Runs the handler for the message being delivered, in the claim transaction or in one of its own; in the
@@ -265,8 +217,8 @@ impl SequentialInbox {
     ) -> Result<(), Failure> {
         match self.config.transactions {
             InboxTransactions::Shared => {
-                handler.handle(event, tx).await.map_err(Failure::Handler)?;
-                check_intact(tx).await
+                handler.handle(event, tx).await.map_err(Failure::handler)?;
+                check_intact::<Postgres>(tx).await
             }
             InboxTransactions::Separate => self.handle_separately(handler, event).await,
         }
@@ -277,10 +229,14 @@ impl SequentialInbox {
     async fn handle_separately<H: Handler<Postgres>>(&self, handler: &H, event: &Event) -> Result<(), Failure> {
         let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
         let mut own = conn.begin().await?;
-        handler.handle(event, &mut *own).await.map_err(Failure::Handler)?;
+        handler.handle(event, &mut *own).await.map_err(Failure::handler)?;
+        if let Err(failure) = check_intact::<Postgres>(&mut own).await {
+            let _ = own.rollback().await;
+            return Err(failure);
+        }
         own.commit().await.map_err(|error| match classify(&error) {
             Retry::Helps => Failure::Database(error),
-            Retry::Useless => Failure::Handler(HandlerError::Permanent(format!("commit failed: {error}"))),
+            Retry::Useless => Failure::handler(HandlerError::Permanent(format!("commit failed: {error}"))),
         })
     }
 
@@ -343,45 +299,63 @@ impl SequentialInbox {
         loop {
             attempts += 1;
             let result = match self.config.transactions {
-                InboxTransactions::Shared => {
-                    let mut savepoint = tx.begin().await?;
-                    match handler.handle(&event, &mut *savepoint).await {
-                        Ok(()) => match Postgres::transaction_intact(&mut savepoint).await {
-                            Ok(_) => savepoint.commit().await.map_err(HandlerError::from),
-                            Err(error) => {
-                                let _ = savepoint.rollback().await;
-                                Err(HandlerError::Permanent(format!(
-                                    "the handler left the transaction aborted ({error})"
-                                )))
-                            }
-                        },
-                        Err(error) => {
-                            savepoint.rollback().await?;
-                            Err(error)
-                        }
+                InboxTransactions::Shared => match self.handle_in_savepoint(tx, &event, handler).await {
+                    Ok(result) => result,
+                    Err(Failure::Ended) => {
+                        return Err(Failure::handler(HandlerError::Permanent(format!(
+                            "while releasing `{}` {}: {}",
+                            waiting.message_type,
+                            event.id,
+                            HandlerError::ended_transaction().reason()
+                        ))));
                     }
-                }
+                    Err(other) => return Err(other),
+                },
                 InboxTransactions::Separate => match self.handle_separately(handler, &event).await {
                     Ok(()) => Ok(()),
-                    Err(Failure::Handler(error)) => Err(error),
+                    Err(Failure::Handler { error, .. }) => Err(error),
                     Err(other) => return Err(other),
                 },
             };
-            match result {
-                Ok(()) => return Ok(Ok(())),
-                Err(HandlerError::Retryable(reason)) if attempts < config.max_attempts => {
+            let Err(error) = result else { return Ok(Ok(())) };
+            match error {
+                HandlerError::Retryable(reason) if attempts < config.max_attempts => {
                     let delay = config.backoff_for(attempts);
-                    tracing::warn!(event_id = %event.id, reason, attempt = attempts, ?delay,
-                        "retryable error on a released message; retrying it");
+                    tracing::warn!(consumer_group = %config.group, event_id = %event.id, reason, attempt = attempts,
+                        ?delay, "retryable error on a released message; retrying it");
+                    // Inside the releasing transaction: a short wait, not interrupted (the transaction ends soon).
                     tokio::time::sleep(delay).await;
                 }
-                Err(HandlerError::Retryable(reason)) => {
+                HandlerError::Retryable(reason) => {
                     return Ok(Err(format!("gave up after {attempts} attempts: {reason}")));
                 }
-                Err(HandlerError::Permanent(reason) | HandlerError::TransactionAborted(reason)) => {
-                    return Ok(Err(reason));
-                }
+                HandlerError::Permanent(reason) | HandlerError::TransactionAborted(reason) => return Ok(Err(reason)),
             }
+        }
+    }
+
+    /// The handler in a savepoint of the releasing transaction, checked as the engine checks a batch. A failure
+    /// of the message (`Ok(Err(..))`) rolls the savepoint back, the handler's effects only. A handler that ended
+    /// the transaction itself (`COMMIT` or `ROLLBACK` through `tx`) took the releasing transaction with it: that
+    /// fails the whole attempt (`Err`), never reported as committed.
+    async fn handle_in_savepoint<H: Handler<Postgres>>(
+        &self,
+        tx: &mut PgConnection,
+        event: &Event,
+        handler: &H,
+    ) -> Result<Result<(), HandlerError>, Failure> {
+        let mut savepoint = tx.begin().await?;
+        if let Err(error) = handler.handle(event, &mut savepoint).await {
+            savepoint.rollback().await?;
+            return Ok(Err(error));
+        }
+        match check_intact::<Postgres>(&mut savepoint).await {
+            Ok(()) => Ok(savepoint.commit().await.map_err(HandlerError::from)),
+            Err(Failure::Handler { error, .. }) => {
+                savepoint.rollback().await?;
+                Ok(Err(error))
+            }
+            Err(other) => Err(other),
         }
     }
 
@@ -392,28 +366,26 @@ impl SequentialInbox {
         message: &Message,
         reason: &str,
         attempts: u32,
-        stop: &AtomicBool,
+        shutdown: &Shutdown,
     ) -> Result<(), Error> {
         let config = self.engine.config();
         let letter =
             NewDeadLetter { event_id, message, error: reason, attempts: i32::try_from(attempts).unwrap_or(i32::MAX) };
-        let mut outages = 0;
-        loop {
-            let result = async {
-                let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
-                let mut tx = conn.begin().await?;
-                Postgres::dead_letter(&mut tx, &config.tables, &config.group, &letter).await?;
-                tx.commit().await
-            }
-            .await;
-            match result {
-                Ok(()) => return Ok(()),
-                Err(error) if classify(&error) == Retry::Helps && !stop.load(Ordering::SeqCst) => {
-                    outages += 1;
-                    tokio::time::sleep(config.backoff_for(outages)).await;
-                }
-                Err(error) => return Err(error.into()),
-            }
+        let retrying = Retrying { group: &config.group, what: "the dead letter", on_retry: &|| {} };
+        let store = async || -> Result<(), Failure> {
+            let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
+            let body = async |tx: &mut PgConnection| {
+                Postgres::dead_letter(tx, &config.tables, &config.group, &letter).await?;
+                Ok(End::Commit { value: (), user_writes: false, check_intact: false })
+            };
+            self.engine.in_transaction(&mut conn, body, |_| {}).await
+        };
+        let result =
+            retry(config, shutdown, &retrying, || async { store().await.map_err(Failure::into_failed) }).await?;
+        match result {
+            Ok(()) => Ok(()),
+            Err(GaveUp::Final { failure: Failure::Database(error), .. }) => Err(error.into()),
+            Err(_) => Err(Error::Stopped),
         }
     }
 
@@ -464,15 +436,4 @@ enum Count {
     Duplicates,
     Failed,
     DeadLettered,
-}
-
-/// The same check as the engine's before `COMMIT`: a handler that swallowed an error (PostgreSQL then aborts the
-/// transaction) or ended the transaction itself fails the message, with the fix in the reason.
-async fn check_intact(tx: &mut PgConnection) -> Result<(), Failure> {
-    match Postgres::transaction_intact(tx).await {
-        Ok(true) => Ok(()),
-        Ok(false) => Err(Failure::Handler(HandlerError::ended_transaction())),
-        Err(error) if classify(&error) == Retry::Helps => Err(Failure::Database(error)),
-        Err(error) => Err(Failure::Handler(HandlerError::left_transaction_aborted(&error))),
-    }
 }

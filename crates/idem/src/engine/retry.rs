@@ -1,0 +1,207 @@
+//! The one retry loop: an attempt is run again while a retry can help (a retryable handler error, up to
+//! `max_attempts`; a database outage, without limit), with doubling backoff capped at `backoff_max`, and stops
+//! at once when the consumer is told to stop, even in the middle of a backoff sleep.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use crate::config::Config;
+use crate::error::Error;
+
+/// Tells a consumer's workers to stop: they finish the transaction in hand, abandon any retry (unacknowledged,
+/// so the work is delivered again) and wake from any backoff sleep. Cheap to clone; clones share the state.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Shutdown(Arc<ShutdownState>);
+
+#[derive(Debug, Default)]
+struct ShutdownState {
+    triggered: AtomicBool,
+    wake: tokio::sync::Notify,
+}
+
+impl Shutdown {
+    /// Tells every holder of a clone to stop.
+    pub(crate) fn trigger(&self) {
+        self.0.triggered.store(true, Ordering::SeqCst);
+        self.0.wake.notify_waiters();
+    }
+
+    /// Whether [`Shutdown::trigger`] was called.
+    pub(crate) fn triggered(&self) -> bool {
+        self.0.triggered.load(Ordering::SeqCst)
+    }
+
+    /// Sleeps for `delay`; [`Error::Stopped`] at once when told to stop, before or during the sleep.
+    pub(crate) async fn sleep(&self, delay: Duration) -> Result<(), Error> {
+        let woken = self.0.wake.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        if self.triggered() {
+            return Err(Error::Stopped);
+        }
+        tokio::select! {
+            _ = woken => Err(Error::Stopped),
+            _ = tokio::time::sleep(delay) => Ok(()),
+        }
+    }
+}
+
+/// Why an attempt did not succeed, as the retry loop sees it.
+pub(crate) enum Failed<E> {
+    /// A retry may help (a retryable handler error): counted against `max_attempts`. `at`: the item of the
+    /// attempt at fault, when known.
+    Retryable { reason: String, at: Option<usize> },
+    /// The database is away or briefly refusing (a transient error of idem's own statements): retried without
+    /// limit, never counted against the message.
+    Outage(String),
+    /// The state the attempt read changed under it: run again at once, uncounted.
+    Again,
+    /// A retry cannot help.
+    Final(E),
+}
+
+/// How a retried operation ended when it did not succeed.
+pub(crate) enum GaveUp<E> {
+    /// Retryable failures until `max_attempts`.
+    Exhausted {
+        /// The attempts made.
+        attempts: u32,
+        /// The reason, saying that attempts ran out.
+        reason: String,
+        /// The item at fault in the last attempt, when known.
+        at: Option<usize>,
+    },
+    /// A failure no retry can help, after `attempts` attempts.
+    Final {
+        /// The attempts made.
+        attempts: u32,
+        /// The failure.
+        failure: E,
+    },
+}
+
+/// What is retried, for the log lines and the `retried` counter.
+pub(crate) struct Retrying<'a> {
+    /// The consumer group.
+    pub group: &'a str,
+    /// What an attempt does, as a log line says it: "the batch", "the message", "the dead letter".
+    pub what: &'static str,
+    /// Called before each retry (the `retried` outcome's counter).
+    pub on_retry: &'a (dyn Fn() + Sync),
+}
+
+/// Runs `attempt` until it succeeds, gives up, or the consumer stops (`Err(Error::Stopped)`).
+pub(crate) async fn retry<T, E, F>(
+    config: &Config,
+    shutdown: &Shutdown,
+    retrying: &Retrying<'_>,
+    mut attempt: impl FnMut() -> F,
+) -> Result<Result<T, GaveUp<E>>, Error>
+where
+    F: Future<Output = Result<T, Failed<E>>>,
+{
+    let (mut attempts, mut outages) = (0u32, 0u32);
+    loop {
+        attempts += 1;
+        let delay = match attempt().await {
+            Ok(value) => return Ok(Ok(value)),
+            Err(Failed::Final(failure)) => return Ok(Err(GaveUp::Final { attempts, failure })),
+            Err(Failed::Again) => {
+                attempts -= 1;
+                config.backoff_for(1)
+            }
+            Err(Failed::Retryable { reason, at }) => {
+                if attempts >= config.max_attempts {
+                    let reason = format!("gave up after {attempts} attempts: {reason}");
+                    return Ok(Err(GaveUp::Exhausted { attempts, reason, at }));
+                }
+                let delay = config.backoff_for(attempts);
+                tracing::warn!(
+                    consumer_group = retrying.group,
+                    reason,
+                    attempt = attempts,
+                    ?delay,
+                    "retryable handler error; retrying {}",
+                    retrying.what
+                );
+                delay
+            }
+            Err(Failed::Outage(reason)) => {
+                attempts -= 1;
+                outages += 1;
+                let delay = config.backoff_for(outages);
+                tracing::warn!(
+                    consumer_group = retrying.group,
+                    error = reason,
+                    ?delay,
+                    outages,
+                    "database unavailable; retrying {}",
+                    retrying.what
+                );
+                delay
+            }
+        };
+        if shutdown.triggered() {
+            return Err(Error::Stopped);
+        }
+        (retrying.on_retry)();
+        shutdown.sleep(delay).await?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::KeyExtractor;
+    use std::time::Instant;
+
+    fn config() -> Config {
+        Config::new("g", KeyExtractor::BrokerId).max_attempts(3).backoff(Duration::from_secs(5), Duration::from_secs(5))
+    }
+
+    const QUIET: Retrying<'static> = Retrying { group: "g", what: "the test", on_retry: &|| {} };
+
+    #[tokio::test]
+    async fn a_stop_cuts_a_backoff_sleep_short() {
+        let shutdown = Shutdown::default();
+        let stopper = shutdown.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            stopper.trigger();
+        });
+        let started = Instant::now();
+        let result: Result<Result<(), GaveUp<()>>, Error> =
+            retry(&config(), &shutdown, &QUIET, || async { Err(Failed::Outage("away".into())) }).await;
+        assert!(matches!(result, Err(Error::Stopped)));
+        assert!(started.elapsed() < Duration::from_secs(2), "stopped during a 5 s backoff: {:?}", started.elapsed());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retryable_failures_are_capped_and_outages_are_not() {
+        let shutdown = Shutdown::default();
+        let mut calls = 0;
+        let result: Result<Result<(), GaveUp<()>>, Error> = retry(&config(), &shutdown, &QUIET, || {
+            calls += 1;
+            let calls = calls;
+            async move {
+                // Two outages between the retryable failures: never counted against the message.
+                if calls % 2 == 0 {
+                    Err(Failed::Outage("away".into()))
+                } else {
+                    Err(Failed::Retryable { reason: "flaky".into(), at: None })
+                }
+            }
+        })
+        .await;
+        match result {
+            Ok(Err(GaveUp::Exhausted { attempts, reason, .. })) => {
+                assert_eq!(attempts, 3);
+                assert!(reason.starts_with("gave up after 3 attempts"), "{reason}");
+            }
+            _ => panic!("expected to give up"),
+        }
+        assert_eq!(calls, 5);
+    }
+}
