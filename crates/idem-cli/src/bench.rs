@@ -553,7 +553,7 @@ impl Source for MemorySource {
         Ok(next.map(Received::Message))
     }
 
-    async fn ack(&self, _topic: &str, _partition: i32, _offset: i64) -> Result<(), SourceError> {
+    async fn ack(&self, _ack: &idem::Acknowledgement) -> Result<(), SourceError> {
         Ok(())
     }
 }
@@ -814,7 +814,7 @@ async fn read_only(source: idem::kafka::KafkaSource) -> anyhow::Result<ExitCode>
                 first.get_or_insert_with(Instant::now);
                 last = Instant::now();
                 count += 1;
-                source.ack(&m.topic, m.partition, m.offset).await?;
+                source.ack(&idem::Acknowledgement::up_to(m.topic.clone(), m.partition, m.offset)).await?;
             }
             Some(Received::Revoked { drained, .. }) => drained.done(),
             None => break,

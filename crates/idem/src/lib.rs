@@ -77,8 +77,8 @@ pub use error::{Error, HandlerError, Retry};
 pub use handler::{BatchHandler, Handler};
 pub use key::{KeyExtractor, MissingKey};
 pub use kill_switch::KillSwitch;
-pub use message::{Event, Message};
-pub use source::{Publisher, Received, Source, SourceError};
+pub use message::{AckHandle, Event, Message};
+pub use source::{Acknowledgement, Publisher, Received, Source, SourceError};
 /// The sqlx version idem is built with; handlers use its `PgConnection` and `SqliteConnection`.
 pub use sqlx;
 pub use sqlx::{Postgres, Sqlite};

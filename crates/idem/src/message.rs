@@ -4,7 +4,44 @@
 //! (topic, partition, offset), its key, payload and headers. The engine extracts the idempotency key with the
 //! configured [`KeyExtractor`](crate::KeyExtractor) and hands the handler an [`Event`]: the message plus its id.
 
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
 use crate::error::HandlerError;
+
+/// A broker's own handle for acknowledging one delivery (a RabbitMQ delivery tag, an SQS receipt handle, a
+/// JetStream message), carried opaquely by the [`Message`] from the source that made it back to that source's
+/// [`Source::ack`](crate::Source::ack). Offset brokers (Kafka, the embedded log) need none. Cheap to clone; two
+/// handles are equal when they are clones of one another.
+#[derive(Clone)]
+pub struct AckHandle(Arc<dyn Any + Send + Sync>);
+
+impl AckHandle {
+    /// Wraps a source's own handle.
+    pub fn new<T: Any + Send + Sync>(handle: T) -> Self {
+        AckHandle(Arc::new(handle))
+    }
+
+    /// The source's handle, when it is a `T`.
+    pub fn get<T: Any>(&self) -> Option<&T> {
+        self.0.downcast_ref()
+    }
+}
+
+impl fmt::Debug for AckHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AckHandle(..)")
+    }
+}
+
+impl PartialEq for AckHandle {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for AckHandle {}
 
 /// One message as a broker delivered it, independent of the broker.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,6 +60,9 @@ pub struct Message {
     pub headers: Vec<(String, Vec<u8>)>,
     /// The producer's or broker's timestamp, milliseconds since the Unix epoch, when known.
     pub timestamp_ms: Option<i64>,
+    /// The source's handle for acknowledging this delivery, on brokers that acknowledge each message by its own
+    /// handle; `None` on offset brokers and for messages built by hand.
+    pub ack_handle: Option<AckHandle>,
 }
 
 impl Message {
@@ -36,6 +76,7 @@ impl Message {
             payload: payload.into(),
             headers: Vec::new(),
             timestamp_ms: None,
+            ack_handle: None,
         }
     }
 

@@ -8,7 +8,7 @@ use std::future::Future;
 use tokio::sync::oneshot;
 
 use crate::error::Retry;
-use crate::message::Message;
+use crate::message::{AckHandle, Message};
 
 /// A failure of the broker or the embedded log.
 #[derive(Debug, thiserror::Error)]
@@ -71,6 +71,40 @@ impl Drained {
     }
 }
 
+/// What the engine acknowledges after a commit: messages of one partition, in order, every one of them committed
+/// (or dead-lettered) in the database.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Acknowledgement {
+    /// The partition (on a broker without partitions, what idem treats as one: a queue, a message group).
+    pub partition: Partition,
+    /// The offset of the last message. An offset broker acknowledges every message up to it.
+    pub last_offset: i64,
+    /// The [`AckHandle`] of every message that has one, in order. A per-message broker acknowledges exactly
+    /// these.
+    pub handles: Vec<AckHandle>,
+}
+
+impl Acknowledgement {
+    /// The acknowledgement of `messages`, all of one partition, in order; `None` when there are none.
+    pub fn of(messages: &[Message]) -> Option<Self> {
+        let last = messages.last()?;
+        Some(Acknowledgement {
+            partition: Partition { topic: last.topic.clone(), partition: last.partition },
+            last_offset: last.offset,
+            handles: messages.iter().filter_map(|m| m.ack_handle.clone()).collect(),
+        })
+    }
+
+    /// Everything of `topic`/`partition` up to and including `offset` (an offset broker's acknowledgement).
+    pub fn up_to(topic: impl Into<String>, partition: i32, offset: i64) -> Self {
+        Acknowledgement {
+            partition: Partition { topic: topic.into(), partition },
+            last_offset: offset,
+            handles: Vec::new(),
+        }
+    }
+}
+
 /// What [`Source::recv`] yields.
 #[derive(Debug)]
 pub enum Received {
@@ -91,9 +125,12 @@ pub enum Received {
 /// # Contract
 /// * **Order.** Messages of one partition are yielded in offset order. Different partitions may interleave.
 /// * **Acknowledgement after commit.** The engine calls [`Source::ack`] for a partition only after the database
-///   transaction holding the messages' markers has committed, with the offset of the last message of that
-///   transaction. An acknowledgement covers every earlier offset of the partition. Acknowledgements of one
-///   partition arrive in increasing offset order. A source must never acknowledge on its own (no auto-commit).
+///   transactions holding the messages' markers have committed, with an [`Acknowledgement`] of exactly those
+///   messages, in order. Acknowledgements of one partition arrive in delivery order. Two kinds of broker fit:
+///   an **offset broker** (Kafka, the embedded log) commits `last_offset + 1`, which covers every earlier
+///   message of the partition; a **per-message broker** (RabbitMQ, NATS JetStream, SQS) sets an [`AckHandle`]
+///   on each message it yields and acknowledges exactly the handles it is given, keeping no side map. A source
+///   must never acknowledge on its own (no auto-commit, no auto-ack).
 /// * **Redelivery.** Messages that were not acknowledged when the consumer stopped, crashed or lost the
 ///   partition are delivered again, to this consumer after a restart or to whichever member of the group gets
 ///   the partition. Duplicates are expected; the markers absorb them.
@@ -105,8 +142,8 @@ pub trait Source: Send + Sync + 'static {
     /// The next message or revocation; waits until there is one.
     fn recv(&self) -> impl Future<Output = Result<Option<Received>, SourceError>> + Send;
 
-    /// Acknowledges every message of `topic`/`partition` up to and including `offset`.
-    fn ack(&self, topic: &str, partition: i32, offset: i64) -> impl Future<Output = Result<(), SourceError>> + Send;
+    /// Acknowledges the committed messages `ack` names (see the contract above).
+    fn ack(&self, ack: &Acknowledgement) -> impl Future<Output = Result<(), SourceError>> + Send;
 }
 
 /// The producer side of a broker: used to replay dead letters and by the producer helpers.
@@ -114,4 +151,26 @@ pub trait Publisher: Send + Sync {
     /// Publishes `message` to `message.topic` (its partition, offset and timestamp are chosen by the broker) and
     /// returns once the broker has it durably.
     fn publish(&self, message: &Message) -> impl Future<Output = Result<(), SourceError>> + Send;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_acknowledgement_names_the_last_offset_and_every_handle_in_order() {
+        let (a, b) = (AckHandle::new(7u64), AckHandle::new(9u64));
+        let mut first = Message::new("q", 2, 10, "x");
+        first.ack_handle = Some(a.clone());
+        let plain = Message::new("q", 2, 11, "y");
+        let mut last = Message::new("q", 2, 12, "z");
+        last.ack_handle = Some(b.clone());
+        let ack = Acknowledgement::of(&[first, plain, last]).unwrap();
+        assert_eq!(ack.partition, Partition { topic: "q".into(), partition: 2 });
+        assert_eq!(ack.last_offset, 12);
+        assert_eq!(ack.handles, vec![a, b]);
+        assert_eq!(ack.handles[1].get::<u64>(), Some(&9));
+        assert!(Acknowledgement::of(&[]).is_none());
+        assert!(Acknowledgement::up_to("q", 0, 5).handles.is_empty());
+    }
 }

@@ -16,7 +16,7 @@ use super::outcome::StatsSnapshot;
 use super::retry::Shutdown;
 use crate::error::{Error, Retry};
 use crate::message::Message;
-use crate::source::{Partition, Received, Source};
+use crate::source::{Acknowledgement, Partition, Received, Source};
 use crate::store::Backend;
 
 impl<DB: Backend> Engine<DB> {
@@ -172,7 +172,7 @@ impl<DB: Backend> Engine<DB> {
                         Err(_) => break,
                     }
                 }
-                let last = batch.last().map(|m| m.offset).unwrap_or_default();
+                let Some(acknowledgement) = Acknowledgement::of(&batch) else { continue };
                 engine.detect_gaps(&mut gaps, &batch);
                 match apply.process(&engine, batch, &stop).await {
                     Ok(_) => {}
@@ -185,7 +185,7 @@ impl<DB: Backend> Engine<DB> {
                     }
                 }
                 let committed = Instant::now();
-                engine.ack(source.as_ref(), &partition, last).await;
+                engine.ack(source.as_ref(), &acknowledgement).await;
                 metrics::gauge!("consumer_offset_commit_lag_seconds", "consumer_group" => engine.inner.config.group.clone(),
                     "topic" => partition.topic.clone(), "partition" => partition.partition.to_string())
                 .set(committed.elapsed().as_secs_f64());
@@ -213,9 +213,10 @@ impl<DB: Backend> Engine<DB> {
 
     /// Acknowledges after commit. A failed acknowledgement loses nothing: the messages come again and are
     /// absorbed as duplicates (a fenced consumer's late commit fails this way), so it is logged, not fatal.
-    pub(super) async fn ack<S: Source>(&self, source: &S, partition: &Partition, offset: i64) {
-        if let Err(error) = source.ack(&partition.topic, partition.partition, offset).await {
-            tracing::warn!(%error, topic = %partition.topic, partition = partition.partition, offset,
+    pub(super) async fn ack<S: Source>(&self, source: &S, ack: &Acknowledgement) {
+        if let Err(error) = source.ack(ack).await {
+            tracing::warn!(consumer_group = %self.inner.config.group, %error, topic = %ack.partition.topic,
+                partition = ack.partition.partition, offset = ack.last_offset,
                 "acknowledgement failed; the batch will be delivered again and absorbed as duplicates");
         }
     }

@@ -188,6 +188,7 @@ impl SequentialInbox {
                 payload: row.get::<Option<Vec<u8>>, _>(11).unwrap_or_default(),
                 headers: decode_headers(row.get::<&str, _>(12)),
                 timestamp_ms: None,
+                ack_handle: None,
             };
             let reason = match (status.as_str(), error) {
                 ("FAILED", Some(error)) => format!(

@@ -250,6 +250,7 @@ pub(crate) async fn waiting(
                 payload: r.get::<Option<Vec<u8>>, _>(7).unwrap_or_default(),
                 headers: decode_headers(r.get::<&str, _>(8)),
                 timestamp_ms: None,
+                ack_handle: None,
             },
             forced: r.get(9),
         })

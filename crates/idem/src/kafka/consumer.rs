@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use super::{KafkaConfig, kafka_error, topic_retention_ms};
 use crate::error::Error;
 use crate::message::Message;
-use crate::source::{Drained, Partition, Received, Source, SourceError};
+use crate::source::{Acknowledgement, Drained, Partition, Received, Source, SourceError};
 
 type Delivery = Result<Option<Received>, SourceError>;
 
@@ -315,6 +315,7 @@ fn owned(message: &BorrowedMessage<'_>) -> Message {
         payload: message.payload().map(<[u8]>::to_vec).unwrap_or_default(),
         headers,
         timestamp_ms: message.timestamp().to_millis(),
+        ack_handle: None,
     }
 }
 
@@ -330,8 +331,9 @@ impl Source for KafkaSource {
         }
     }
 
-    async fn ack(&self, topic: &str, partition: i32, offset: i64) -> Result<(), SourceError> {
-        let key = Partition { topic: topic.to_owned(), partition };
+    async fn ack(&self, ack: &Acknowledgement) -> Result<(), SourceError> {
+        let (topic, partition, offset) = (ack.partition.topic.as_str(), ack.partition.partition, ack.last_offset);
+        let key = ack.partition.clone();
         if !lock(&self.shared.assigned).contains(&key) {
             return Err(SourceError::permanent(
                 "kafka ack",

@@ -12,7 +12,7 @@ use super::{
     write_offset,
 };
 use crate::message::Message;
-use crate::source::{Partition, Received, Source, SourceError};
+use crate::source::{Acknowledgement, Partition, Received, Source, SourceError};
 
 /// Records read from one partition per refill, at most.
 const READ_CHUNK: usize = 256;
@@ -279,7 +279,8 @@ impl Source for LogConsumer {
 
     /// Persists `offset + 1` as the group's committed offset of the partition. Acknowledgements that would not
     /// move it forward are ignored; a partition this consumer does not own is an error.
-    async fn ack(&self, topic: &str, partition: i32, offset: i64) -> Result<(), SourceError> {
+    async fn ack(&self, ack: &Acknowledgement) -> Result<(), SourceError> {
+        let (topic, partition, offset) = (ack.partition.topic.as_str(), ack.partition.partition, ack.last_offset);
         let mut state = lock(&self.state)?;
         let Some(part) =
             state.parts.iter_mut().find(|p| p.partition.topic == topic && p.partition.partition == partition)

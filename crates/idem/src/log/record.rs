@@ -126,6 +126,7 @@ pub(super) fn decode(body: &[u8], partition: &Partition, offset: i64) -> Result<
         payload: cursor.0.to_vec(),
         headers,
         timestamp_ms: Some(timestamp_ms),
+        ack_handle: None,
     })
 }
 

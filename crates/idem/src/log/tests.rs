@@ -1,7 +1,7 @@
 use super::*;
 use crate::error::Retry;
 use crate::message::Message;
-use crate::source::{Partition, Publisher, Received, Source};
+use crate::source::{Acknowledgement, Partition, Publisher, Received, Source};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -110,12 +110,12 @@ async fn resumes_after_acknowledged_offsets() {
     }
     let consumer = log.consumer("g", &["t"], to_end()).unwrap();
     assert_eq!(drain(&consumer).await.len(), 10);
-    consumer.ack("t", 0, 1).await.unwrap();
-    consumer.ack("t", 0, 2).await.unwrap();
-    consumer.ack("t", 0, 1).await.unwrap(); // backwards: ignored
-    consumer.ack("t", 1, 4).await.unwrap();
-    assert!(consumer.ack("t", 2, 0).await.is_err(), "not an owned partition");
-    assert!(consumer.ack("t", 0, 5).await.is_err(), "never delivered");
+    consumer.ack(&Acknowledgement::up_to("t", 0, 1)).await.unwrap();
+    consumer.ack(&Acknowledgement::up_to("t", 0, 2)).await.unwrap();
+    consumer.ack(&Acknowledgement::up_to("t", 0, 1)).await.unwrap(); // backwards: ignored
+    consumer.ack(&Acknowledgement::up_to("t", 1, 4)).await.unwrap();
+    assert!(consumer.ack(&Acknowledgement::up_to("t", 2, 0)).await.is_err(), "not an owned partition");
+    assert!(consumer.ack(&Acknowledgement::up_to("t", 0, 5)).await.is_err(), "never delivered");
     assert_eq!(log.committed("g", "t").unwrap(), vec![3, 5]);
     drop(consumer);
 
@@ -341,7 +341,7 @@ async fn a_damaged_length_field_stops_the_reader_and_nothing_after_it_is_lost() 
     assert_eq!(report.damage[0].kind, "damaged");
 
     // The group moves past it only by an operator's decision, at the offset it stands at.
-    consumer.ack("t", 0, 199).await.unwrap();
+    consumer.ack(&Acknowledgement::up_to("t", 0, 199)).await.unwrap();
     assert!(log.prepare_skip("g", "t", 0, 200).unwrap_err().to_string().contains("stop it first"));
     drop(consumer);
     assert!(log.prepare_skip("g", "t", 0, 201).unwrap_err().to_string().contains("stands at offset 200"));
@@ -439,7 +439,7 @@ async fn an_undecodable_record_with_a_good_checksum_can_be_skipped() {
     let (before, error) = drain_until_error(&consumer).await;
     assert_eq!(before.len(), 3);
     assert!(error.contains("offset 3") && error.contains("not UTF-8") && error.contains("idem log skip"), "{error}");
-    consumer.ack("t", 0, 2).await.unwrap();
+    consumer.ack(&Acknowledgement::up_to("t", 0, 2)).await.unwrap();
     drop(consumer);
     let report = &log.inspect("t", true).unwrap()[0];
     assert_eq!(report.damage[0].kind, "undecodable");

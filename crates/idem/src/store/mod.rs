@@ -278,6 +278,7 @@ impl DeadLetter {
             payload: self.payload.clone(),
             headers: self.headers.clone(),
             timestamp_ms: None,
+            ack_handle: None,
         }
     }
 }
