@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::bail;
-use idem::log::EmbeddedLog;
+use idem::embedded::EmbeddedLog;
 use idem::store::{DeadLetter, GroupStats};
 use idem::{Publisher, Tables};
 
@@ -59,15 +59,35 @@ fn human_duration(seconds: f64) -> String {
     }
 }
 
-async fn dead_letters(db: &Db, tables: &Tables, group: Option<&str>, limit: i64) -> anyhow::Result<Vec<DeadLetter>> {
-    Ok(with_pool!(db, pool => idem::dead_letter::list(pool, tables, group, limit).await?))
+/// Dead letters of `group` (every group's when `None`) whose reason contains `matching`, oldest first, at most
+/// `limit`.
+async fn dead_letters(
+    db: &Db,
+    tables: &Tables,
+    group: Option<&str>,
+    matching: Option<&str>,
+    limit: i64,
+) -> anyhow::Result<Vec<DeadLetter>> {
+    let fetch = if matching.is_some() { i64::MAX } else { limit };
+    let letters = with_pool!(db, pool => idem::dead_letter::list(pool, tables, group, fetch).await?);
+    Ok(letters
+        .into_iter()
+        .filter(|l| matching.is_none_or(|text| l.error.contains(text)))
+        .take(usize::try_from(limit).unwrap_or(usize::MAX))
+        .collect())
 }
 
 /// `idem dead-letters list`.
-pub async fn list_dead_letters(args: &DbArgs, group: Option<&str>, limit: i64, json: bool) -> anyhow::Result<ExitCode> {
+pub async fn list_dead_letters(
+    args: &DbArgs,
+    group: Option<&str>,
+    matching: Option<&str>,
+    limit: i64,
+    json: bool,
+) -> anyhow::Result<ExitCode> {
     let tables = db::tables(args)?;
     let db = Db::open(&args.database_url, 1).await?;
-    let letters = dead_letters(&db, &tables, group, limit).await?;
+    let letters = dead_letters(&db, &tables, group, matching, limit).await?;
     if json {
         for letter in &letters {
             println!("{}", serde_json::to_string(letter)?);
@@ -103,14 +123,19 @@ pub async fn replay_dead_letters(
     ids: &[i64],
     all: bool,
     group: Option<&str>,
+    matching: Option<&str>,
 ) -> anyhow::Result<ExitCode> {
-    if ids.is_empty() && !all {
-        bail!("name the dead letters to replay (ids from `idem dead-letters list`) or pass --all");
+    if ids.is_empty() && !all && matching.is_none() {
+        bail!("name the dead letters to replay (ids from `idem dead-letters list`), or pass --all or --matching TEXT");
     }
+    let all = all || (ids.is_empty() && matching.is_some());
     let tables = db::tables(args)?;
     let db = Db::open(&args.database_url, 1).await?;
-    let letters: Vec<DeadLetter> =
-        dead_letters(&db, &tables, group, i64::MAX).await?.into_iter().filter(|l| all || ids.contains(&l.id)).collect();
+    let letters: Vec<DeadLetter> = dead_letters(&db, &tables, group, matching, i64::MAX)
+        .await?
+        .into_iter()
+        .filter(|l| all || ids.contains(&l.id))
+        .collect();
     for id in ids {
         if !letters.iter().any(|l| l.id == *id) {
             bail!("no dead letter with id {id}; see `idem dead-letters list`");

@@ -12,7 +12,7 @@ use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use idem::log::{ConsumerOptions, EmbeddedLog};
+use idem::embedded::{ConsumerOptions, EmbeddedLog};
 use idem::{Backend, Committed, Config, Engine, Event, Handler, HandlerError, KeyExtractor, Tables};
 use serde::Serialize;
 use sqlx::{PgConnection, SqliteConnection};
@@ -101,6 +101,33 @@ pub struct WorkerArgs {
     /// Connections in the pool.
     #[arg(long, default_value_t = 5)]
     connections: u32,
+}
+
+/// Arguments of `idem demo-produce`: the demo's events written into an embedded log, for harnesses that run
+/// `demo-worker` themselves.
+#[derive(clap::Args, Debug)]
+pub struct ProduceArgs {
+    /// The embedded log's directory; it must not exist yet or be empty.
+    #[arg(long, required_unless_present = "kafka", conflicts_with = "kafka")]
+    log_dir: Option<PathBuf>,
+    /// Produce to these Kafka brokers (host:port) instead, into a new topic --topic.
+    #[arg(long)]
+    kafka: Option<String>,
+    /// The topic.
+    #[arg(long, default_value = TOPIC)]
+    topic: String,
+    /// Payment events to produce.
+    #[arg(long, default_value_t = 100_000)]
+    events: u64,
+    /// Partitions of the payments topic.
+    #[arg(long, default_value_t = 4)]
+    partitions: i32,
+    /// Seed of the event generator.
+    #[arg(long)]
+    seed: u64,
+    /// Percentage of events the producer sends twice (producer retries), 0 to 50.
+    #[arg(long, default_value_t = 2.0)]
+    duplicates: f64,
 }
 
 /// Where the demo's events travel.
@@ -204,7 +231,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let seed = args.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64)
     });
-    let (plan, records) = generate(&args, seed);
+    let (plan, records) = generate(args.events, args.duplicates, seed);
     let transport = match &args.kafka {
         None => {
             write_embedded(&log_dir, args.partitions, &records).context("producing the events")?;
@@ -296,14 +323,14 @@ async fn prepare(db: &Db, tables: &Tables) -> anyhow::Result<()> {
 /// The events: each payment once, some a second time a little later (a producer retry), and three poison
 /// messages: one that does not decode, one for an unknown account, one without an idempotency key. Each record
 /// is (account, payload); the account is the message key.
-fn generate(args: &DemoArgs, seed: u64) -> (Plan, Vec<(i64, String)>) {
+fn generate(events: u64, duplicates: f64, seed: u64) -> (Plan, Vec<(i64, String)>) {
     let mut rng = Rng(seed);
     let mut plan = Plan::default();
-    let mut records = Vec::with_capacity(args.events as usize + args.events as usize / 20);
+    let mut records = Vec::with_capacity(events as usize + events as usize / 20);
     let mut retries: Vec<(u64, i64, String)> = Vec::new();
-    let duplicate_per_million = (args.duplicates * 10_000.0) as u64;
-    let poison_at = [args.events / 4, args.events / 2, args.events * 3 / 4];
-    for n in 0..args.events {
+    let duplicate_per_million = (duplicates * 10_000.0) as u64;
+    let poison_at = [events / 4, events / 2, events * 3 / 4];
+    for n in 0..events {
         let account = 1 + rng.below(ACCOUNTS as u64) as i64;
         let amount = 1 + rng.below(100_000) as i64;
         let payload = format!(r#"{{"idempotencyKey":"pay-{n:09}","account":{account},"amount":{amount}}}"#);
@@ -585,6 +612,46 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
 pub async fn prepare_only(database_url: &str) -> anyhow::Result<ExitCode> {
     let db = Db::open(database_url, 1).await?;
     prepare(&db, &Tables::new(None, PREFIX)?).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `idem demo-produce`: writes the demo's events into a fresh embedded log (or Kafka topic) and prints the plan (what the ledger
+/// must hold once they are consumed) as one JSON line.
+pub async fn produce(args: ProduceArgs) -> anyhow::Result<ExitCode> {
+    if args.events == 0 || args.events > 100_000_000 {
+        bail!("--events {} is out of range: use 1 to 100000000", args.events);
+    }
+    if !(0.0..=50.0).contains(&args.duplicates) {
+        bail!("--duplicates {} is out of range: a percentage from 0 to 50", args.duplicates);
+    }
+    if !(1..=64).contains(&args.partitions) {
+        bail!("--partitions {} is out of range: use 1 to 64", args.partitions);
+    }
+    let (plan, records) = generate(args.events, args.duplicates, args.seed);
+    match (&args.kafka, &args.log_dir) {
+        (Some(brokers), _) => write_kafka(brokers, &args.topic, args.partitions, &records)
+            .await
+            .context("producing the events to Kafka")?,
+        (None, Some(dir)) => {
+            if args.topic != TOPIC {
+                bail!("--topic is for --kafka; the embedded log's topic is {TOPIC}");
+            }
+            if std::fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_some()) {
+                bail!("--log-dir {} is not empty: give a new directory", dir.display());
+            }
+            write_embedded(dir, args.partitions, &records).context("producing the events")?;
+        }
+        (None, None) => bail!("give --log-dir or --kafka"),
+    }
+    report_line(serde_json::json!({
+        "events": plan.events,
+        "records": plan.records,
+        "producer_duplicates": plan.producer_duplicates,
+        "poison": plan.poison,
+        "poison_with_key": plan.poison_with_key,
+        "expected_total_cents": plan.expected_total,
+        "expected_entries": plan.expected_entries,
+    }));
     Ok(ExitCode::SUCCESS)
 }
 

@@ -4,8 +4,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
-use idem::log::EmbeddedLog;
-use idem::log::repair::PartitionReport;
+use idem::embedded::EmbeddedLog;
+use idem::embedded::repair::PartitionReport;
 use idem::store::NewDeadLetter;
 use idem::{Backend, Message};
 

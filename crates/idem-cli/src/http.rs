@@ -1,6 +1,7 @@
 //! The operations endpoint of a consumer process: `/metrics` (Prometheus text), `/healthz` (the process is
-//! alive) and `/readyz` (the database answers, the engine is consuming and not draining). A deliberately small
-//! HTTP/1.1 responder: one request per connection, GET only.
+//! alive), `/readyz` (the database answers, the engine is consuming, not draining, and its kill switch is closed)
+//! and `POST /resume` (closes a tripped kill switch at once). A deliberately small HTTP/1.1 responder: one
+//! request per connection.
 
 use std::net::SocketAddr;
 
@@ -36,12 +37,22 @@ pub async fn serve<DB: Backend>(
             tokio::spawn(async move {
                 let Some(request) = read_request_head(&mut stream).await else { return };
                 let line = String::from_utf8_lossy(&request);
-                let path = line.split_whitespace().nth(1).unwrap_or("/");
-                let (status, body) = match path {
-                    "/metrics" => ("200 OK", metrics.render()),
-                    "/healthz" => ("200 OK", "ok\n".to_owned()),
-                    "/readyz" => readiness(&engine).await,
-                    _ => ("404 Not Found", "try /metrics, /healthz or /readyz\n".to_owned()),
+                let mut words = line.split_whitespace();
+                let method = words.next().unwrap_or("GET");
+                let path = words.next().unwrap_or("/");
+                let (status, body) = match (method, path) {
+                    ("POST", "/resume") => {
+                        let paused = engine.health().paused;
+                        engine.resume();
+                        ("200 OK", if paused { "resumed\n" } else { "not paused\n" }.to_owned())
+                    }
+                    (_, "/resume") => ("405 Method Not Allowed", "use POST /resume\n".to_owned()),
+                    (_, path) => match path {
+                        "/metrics" => ("200 OK", metrics.render()),
+                        "/healthz" => ("200 OK", "ok\n".to_owned()),
+                        "/readyz" => readiness(&engine).await,
+                        _ => ("404 Not Found", "try /metrics, /healthz, /readyz or POST /resume\n".to_owned()),
+                    },
                 };
                 let response = format!(
                     "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -79,6 +90,12 @@ async fn readiness<DB: Backend>(engine: &Engine<DB>) -> (&'static str, String) {
     }
     if health.draining {
         return ("503 Service Unavailable", "draining\n".into());
+    }
+    if health.paused {
+        return (
+            "503 Service Unavailable",
+            "paused: the kill switch tripped (see the consumer's log); POST /resume to try again now\n".into(),
+        );
     }
     ("200 OK", format!("ready: {} partition(s) active\n", health.partitions))
 }

@@ -5,6 +5,7 @@ mod bench;
 mod commands;
 mod db;
 mod demo;
+mod embedded_log;
 mod http;
 mod inbox;
 
@@ -61,6 +62,9 @@ enum Command {
         #[arg(long)]
         database_url: String,
     },
+    /// Hidden: write the demo's events into an embedded log (or a Kafka topic) and print the plan as JSON.
+    #[command(hide = true)]
+    DemoProduce(demo::ProduceArgs),
     /// Show marker rows, the oldest marker's age and dead letters, per consumer group.
     Stats {
         #[command(flatten)]
@@ -109,6 +113,9 @@ enum Command {
     /// The Sequential Inbox: list, show, close or release sequence instances (PostgreSQL).
     #[command(subcommand)]
     Inbox(inbox::InboxCommand),
+    /// The embedded log: inspect it, move a consumer group past a damaged record, set a damaged tail aside.
+    #[command(subcommand)]
+    Log(embedded_log::LogCommand),
 }
 
 #[derive(Subcommand)]
@@ -143,6 +150,9 @@ enum DeadLetterCommand {
         /// Only this consumer group.
         #[arg(long)]
         group: Option<String>,
+        /// Only those whose reason contains this text.
+        #[arg(long)]
+        matching: Option<String>,
         /// At most this many.
         #[arg(long, default_value_t = 100)]
         limit: i64,
@@ -168,6 +178,10 @@ enum DeadLetterCommand {
         /// Only this consumer group (with --all).
         #[arg(long)]
         group: Option<String>,
+        /// Every dead letter whose reason contains this text (of --group, if given): the messages of a storm that
+        /// tripped the kill switch, for example.
+        #[arg(long)]
+        matching: Option<String>,
     },
 }
 
@@ -204,6 +218,7 @@ fn main() -> ExitCode {
             Command::Demo(args) => demo::run(args).await,
             Command::DemoWorker(args) => demo::worker(args).await,
             Command::DemoPrepare { database_url } => demo::prepare_only(&database_url).await,
+            Command::DemoProduce(args) => demo::produce(args).await,
             Command::Stats { db, json } => commands::stats(&db, json).await,
             Command::Prune { db, retention, group, batch_size, pause_ms, dry_run, json, create_ahead } => {
                 let pruning = idem::Pruning {
@@ -217,21 +232,22 @@ fn main() -> ExitCode {
             Command::Bench(args) => bench::run(args).await,
             Command::BenchConsume(args) => bench::consume(args).await,
             Command::Inbox(command) => inbox::run(command).await,
+            Command::Log(command) => embedded_log::run(command).await,
             Command::Markers(MarkersCommand::Layout { db }) => commands::markers_layout(&db).await,
             Command::Markers(MarkersCommand::Convert { db, to, period, create_ahead }) => {
                 let period = (to == "partitioned").then_some(period);
                 commands::markers_convert(&db, period.as_deref(), create_ahead).await
             }
-            Command::DeadLetters(DeadLetterCommand::List { db, group, limit, json }) => {
-                commands::list_dead_letters(&db, group.as_deref(), limit, json).await
+            Command::DeadLetters(DeadLetterCommand::List { db, group, matching, limit, json }) => {
+                commands::list_dead_letters(&db, group.as_deref(), matching.as_deref(), limit, json).await
             }
-            Command::DeadLetters(DeadLetterCommand::Replay { db, log_dir, kafka, ids, all, group }) => {
+            Command::DeadLetters(DeadLetterCommand::Replay { db, log_dir, kafka, ids, all, group, matching }) => {
                 let target = match (log_dir, kafka) {
                     (_, Some(brokers)) => commands::ReplayTarget::Kafka(brokers),
                     (Some(dir), None) => commands::ReplayTarget::Log(dir),
                     (None, None) => return Err(anyhow::anyhow!("give --log-dir or --kafka")),
                 };
-                commands::replay_dead_letters(&db, &target, &ids, all, group.as_deref()).await
+                commands::replay_dead_letters(&db, &target, &ids, all, group.as_deref(), matching.as_deref()).await
             }
         }
     });

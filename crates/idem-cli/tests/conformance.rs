@@ -43,7 +43,7 @@ impl Broker for Embedded {
     }
 
     fn produce(&self, dir: &Path, records: &[(String, String)]) -> Vec<String> {
-        let log = idem::log::EmbeddedLog::open(dir.join("log")).unwrap();
+        let log = idem::embedded::EmbeddedLog::open(dir.join("log")).unwrap();
         log.create_topic("payments", PARTITIONS).unwrap();
         let producer = log.producer();
         for (key, payload) in records {

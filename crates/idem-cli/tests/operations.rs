@@ -32,7 +32,7 @@ fn metrics_health_and_prune_of_a_running_consumer() {
     std::fs::create_dir_all(&dir).unwrap();
     let url = format!("sqlite://{}/ledger.db", dir.display());
     assert!(idem().args(["demo-prepare", "--database-url", &url]).status().unwrap().success());
-    let log = idem::log::EmbeddedLog::open(dir.join("log")).unwrap();
+    let log = idem::embedded::EmbeddedLog::open(dir.join("log")).unwrap();
     log.create_topic("payments", 1).unwrap();
     let producer = log.producer();
     for n in (0..10).chain(0..2) {

@@ -3,7 +3,7 @@
 //!
 //! `cargo run -p idem --example credit`
 
-use idem::log::{ConsumerOptions, EmbeddedLog};
+use idem::embedded::{ConsumerOptions, EmbeddedLog};
 use idem::{Config, Engine, Event, Handler, HandlerError, KeyExtractor, Tables};
 use sqlx::SqliteConnection;
 

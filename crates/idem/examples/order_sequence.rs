@@ -9,8 +9,8 @@
 
 use std::time::Duration;
 
+use idem::embedded::{ConsumerOptions, EmbeddedLog};
 use idem::inbox::{InboxConfig, SequentialInbox};
-use idem::log::{ConsumerOptions, EmbeddedLog};
 use idem::{Config, Engine, Event, Handler, HandlerError, KeyExtractor, Tables};
 use sqlx::PgConnection;
 
@@ -39,7 +39,7 @@ impl Handler<sqlx::Postgres> for History {
 }
 
 /// Publishes one order's events in a scrambled order, with two redeliveries.
-fn publish(producer: &idem::log::LogProducer, order: &str) -> Result<(), idem::SourceError> {
+fn publish(producer: &idem::embedded::LogProducer, order: &str) -> Result<(), idem::SourceError> {
     let events = [
         ("OrderShipped", None, "shipped", "4"),
         ("OrderValidated", Some("payment"), "payment validated", "3"),

@@ -7,7 +7,7 @@
 //! The smallest consumer: credit an account for each payment event read from the embedded log, in SQLite.
 //!
 //! ```no_run
-//! use idem::log::{ConsumerOptions, EmbeddedLog};
+//! use idem::embedded::{ConsumerOptions, EmbeddedLog};
 //! use idem::{Config, Engine, Event, Handler, HandlerError, KeyExtractor};
 //! use sqlx::SqliteConnection;
 //!
@@ -43,7 +43,7 @@
 //! * [`message`] and [`key`]: the broker-neutral [`Message`], the [`Event`] a handler sees, and where its
 //!   idempotency key comes from ([`KeyExtractor`]).
 //! * [`store`]: the database seam ([`Backend`]) with its PostgreSQL and SQLite modules and migrations.
-//! * [`source`]: the broker seam ([`Source`], [`Publisher`]) and its contract; [`log`]: the embedded log.
+//! * [`source`]: the broker seam ([`Source`], [`Publisher`]) and its contract; [`embedded`]: the embedded log, [`kafka`] (feature `kafka`): Kafka.
 //! * [`inbox`]: the Sequential Inbox (PostgreSQL): per-context ordering with buffering and a concurrent-safe claim.
 //! * [`gap`]: lost-event detection from producer sequence numbers.
 //! * [`prune`]: bounded, lock-friendly pruning of markers. [`kill_switch`]: holding the consumer when every
@@ -55,6 +55,7 @@
 
 pub mod config;
 pub mod dead_letter;
+pub mod embedded;
 pub mod engine;
 pub mod error;
 pub mod fault;
@@ -65,7 +66,6 @@ pub mod inbox;
 pub mod kafka;
 pub mod key;
 pub mod kill_switch;
-pub mod log;
 pub mod message;
 pub mod prune;
 pub mod source;

@@ -1,6 +1,6 @@
 //! The broker seam: [`Source`] delivers messages, [`Publisher`] puts them back (dead-letter replay, producers).
 //!
-//! Implementations: the embedded log ([`crate::log`]) in this crate; Kafka and other brokers in their own
+//! Implementations: the embedded log ([`crate::embedded`]) in this crate; Kafka and other brokers in their own
 //! modules. Every implementation must keep the contract written on [`Source`]; the engine relies on nothing else.
 
 use std::future::Future;

@@ -6,7 +6,7 @@ mod common;
 
 use common::{Ledger, TestPool};
 use idem::Engine;
-use idem::log::{ConsumerOptions, EmbeddedLog};
+use idem::embedded::{ConsumerOptions, EmbeddedLog};
 use sqlx::{Connection, PgConnection};
 
 const EVENTS: usize = 3000;

@@ -6,7 +6,7 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::{Ledger, TestPool, config, ledger_rows, ledger_total, markers, temp_dir};
-use idem::log::{ConsumerOptions, EmbeddedLog};
+use idem::embedded::{ConsumerOptions, EmbeddedLog};
 use idem::{Backend, BatchHandler, Engine, Event, Handler, HandlerError, Tables};
 
 type Pool<DB> = sqlx::Pool<DB>;

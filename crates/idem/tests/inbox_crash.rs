@@ -11,8 +11,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{OrderHistory, TestPool, create_order_history, order_steps_out_of_order, pg, temp_dir};
+use idem::embedded::{ConsumerOptions, EmbeddedLog};
 use idem::inbox::{InboxConfig, SequentialInbox};
-use idem::log::{ConsumerOptions, EmbeddedLog};
 use idem::{Config, Engine, KeyExtractor};
 
 const LOG_ENV: &str = "IDEM_INBOX_CRASH_LOG";

@@ -19,7 +19,7 @@ async fn metrics_after_a_known_run() {
     config.stats_interval = Duration::from_millis(20);
     let engine = Engine::new(db.pool.clone(), config).unwrap();
     let dir = common::temp_dir();
-    let log = idem::log::EmbeddedLog::open(&dir.0).unwrap();
+    let log = idem::embedded::EmbeddedLog::open(&dir.0).unwrap();
     log.create_topic("payments", 1).unwrap();
     let producer = log.producer();
     for n in 0..100 {
@@ -30,13 +30,13 @@ async fn metrics_after_a_known_run() {
         producer.send("payments", None, format!(r#"{{"id":"m{n}","amount":1}}"#).as_bytes(), &[]).unwrap();
     }
     producer.send("payments", None, br#"{"id":"bad","amount":"x"}"#, &[]).unwrap();
-    let options = idem::log::ConsumerOptions { stop_at_end: true, ..Default::default() };
+    let options = idem::embedded::ConsumerOptions { stop_at_end: true, ..Default::default() };
     let source = log.consumer("ledger-writer", &["payments"], options).unwrap();
     let stats = engine.run(source, Ledger::default(), tokio::time::sleep(Duration::from_secs(60))).await.unwrap();
     assert_eq!((stats.processed, stats.duplicate, stats.dead_lettered, stats.retried), (100, 5, 1, 1));
 
     // Let the housekeeping task publish the gauges once more.
-    let options = idem::log::ConsumerOptions { stop_at_end: false, ..Default::default() };
+    let options = idem::embedded::ConsumerOptions { stop_at_end: false, ..Default::default() };
     let idle = log.consumer("ledger-writer", &["payments"], options).unwrap();
     engine.run(idle, Ledger::default(), tokio::time::sleep(Duration::from_millis(200))).await.unwrap();
 

@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{Ledger, TestPool};
-use idem::log::{ConsumerOptions, EmbeddedLog};
+use idem::embedded::{ConsumerOptions, EmbeddedLog};
 use idem::{Engine, Error};
 use sqlx::{Connection, PgConnection};
 
