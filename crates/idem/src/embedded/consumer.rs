@@ -17,6 +17,23 @@ use crate::source::{Acknowledgement, Partition, Received, Source, SourceError};
 /// Records read from one partition per refill, at most.
 const READ_CHUNK: usize = 256;
 
+/// Takes the group's lock on partition `p` (`<p>.lock` in `group_dir`); `None` when another process holds it.
+/// The kernel releases it when the file is closed or the process dies, even by SIGKILL.
+pub(super) fn lock_group_partition(group_dir: &Path, p: i32) -> Result<Option<File>, SourceError> {
+    let lock_path = group_dir.join(format!("{p}.lock"));
+    let lock_file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| io_error("open", &lock_path, e))?;
+    match lock_file.try_lock() {
+        Ok(()) => Ok(Some(lock_file)),
+        Err(TryLockError::WouldBlock) => Ok(None),
+        Err(TryLockError::Error(e)) => Err(io_error("lock", &lock_path, e)),
+    }
+}
+
 impl EmbeddedLog {
     /// A consumer of `group` reading `topics`. It takes every partition of those topics that no other consumer of
     /// the group holds, and starts each at the group's committed offset. An error if it gets no partition at all.
@@ -66,18 +83,7 @@ impl EmbeddedLog {
     /// Locks partition `p` of `topic` for `group` and positions a reader at the committed offset; `None` if
     /// another consumer holds it.
     fn claim(&self, group: &str, topic: &str, p: i32, group_dir: &Path) -> Result<Option<PartReader>, SourceError> {
-        let lock_path = group_dir.join(format!("{p}.lock"));
-        let lock_file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(|e| io_error("open", &lock_path, e))?;
-        match lock_file.try_lock() {
-            Ok(()) => {}
-            Err(TryLockError::WouldBlock) => return Ok(None),
-            Err(TryLockError::Error(e)) => return Err(io_error("lock", &lock_path, e)),
-        }
+        let Some(lock_file) = lock_group_partition(group_dir, p)? else { return Ok(None) };
         let offset_path = group_dir.join(format!("{p}.offset"));
         let committed = read_offset(&offset_path)?;
         let path = self.partition_path(topic, p);

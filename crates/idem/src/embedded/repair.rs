@@ -12,7 +12,7 @@
 //! 4. Damage at the end of a file (nothing valid after it) refuses appends: `idem log repair … --partition P`
 //!    copies the damaged bytes to `<p>.damaged-<byte>.bin` beside the partition file, then truncates them.
 
-use std::fs::{self, File, OpenOptions, TryLockError};
+use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
 
@@ -209,22 +209,11 @@ impl EmbeddedLog {
         }
         let group_dir = self.group_dir(group, topic);
         fs::create_dir_all(&group_dir).map_err(|e| io_error("create directory", &group_dir, e))?;
-        let lock_path = group_dir.join(format!("{partition}.lock"));
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(|e| io_error("open", &lock_path, e))?;
-        match lock.try_lock() {
-            Ok(()) => {}
-            Err(TryLockError::WouldBlock) => {
-                return Err(permanent(format!(
-                    "a consumer of group {group} is reading {topic}/{partition}: stop it first, then skip"
-                )));
-            }
-            Err(TryLockError::Error(e)) => return Err(io_error("lock", &lock_path, e)),
-        }
+        let Some(lock) = super::consumer::lock_group_partition(&group_dir, partition)? else {
+            return Err(permanent(format!(
+                "a consumer of group {group} is reading {topic}/{partition}: stop it first, then skip"
+            )));
+        };
         let offset_path = group_dir.join(format!("{partition}.offset"));
         let committed = read_offset(&offset_path)?;
         if committed != offset {
