@@ -14,7 +14,7 @@ use crate::{DbArgs, with_pool};
 /// `idem migrate`.
 pub async fn migrate(args: &DbArgs) -> anyhow::Result<ExitCode> {
     let tables = db::tables(args)?;
-    let db = Db::open(&args.database_url, 1).await?;
+    let db = Db::create(&args.database_url, 1).await?;
     let report = with_pool!(&db, pool => idem::migrate(pool, &tables).await?);
     if report.applied.is_empty() {
         println!("schema is current (version {})", report.version);
@@ -142,7 +142,12 @@ pub async fn replay_dead_letters(
         }
     }
     let replayed = match target {
-        ReplayTarget::Log(dir) => replay_through(&db, &tables, &EmbeddedLog::open(dir)?.producer(), &letters).await?,
+        ReplayTarget::Log(dir) => {
+            if !dir.join("topics").is_dir() {
+                bail!("--log-dir {}: there is no embedded log there (it holds a topics/ folder)", dir.display());
+            }
+            replay_through(&db, &tables, &EmbeddedLog::open(dir)?.producer(), &letters).await?
+        }
         ReplayTarget::Kafka(brokers) => {
             replay_through(&db, &tables, &idem::kafka::KafkaProducer::new(brokers)?, &letters).await?
         }

@@ -14,15 +14,27 @@ pub enum Db {
 }
 
 impl Db {
-    /// Opens `url` with a pool of `connections`.
+    /// Opens the existing database at `url` with a pool of `connections`; a SQLite file that does not exist is an
+    /// error, never created.
     pub async fn open(url: &str, connections: u32) -> anyhow::Result<Db> {
+        Self::connect(url, connections, false).await
+    }
+
+    /// Opens `url`, creating a SQLite file that does not exist yet (`idem migrate`, the demo).
+    pub async fn create(url: &str, connections: u32) -> anyhow::Result<Db> {
+        Self::connect(url, connections, true).await
+    }
+
+    async fn connect(url: &str, connections: u32, create: bool) -> anyhow::Result<Db> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let pool = idem::postgres::connect(url, connections)
                 .await
                 .with_context(|| format!("--database-url {}", redact(url)))?;
             Ok(Db::Postgres(pool))
         } else if url.starts_with("sqlite:") {
-            Ok(Db::Sqlite(idem::sqlite::connect(url).await.with_context(|| format!("cannot open {url}"))?))
+            let pool =
+                if create { idem::sqlite::connect(url).await } else { idem::sqlite::connect_existing(url).await };
+            Ok(Db::Sqlite(pool.with_context(|| format!("--database-url {url}"))?))
         } else {
             bail!("--database-url `{}` is neither postgres://… nor sqlite://…", redact(url))
         }

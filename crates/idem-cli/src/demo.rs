@@ -93,7 +93,7 @@ pub struct WorkerArgs {
     #[arg(long)]
     metrics_addr: Option<std::net::SocketAddr>,
     /// The database.
-    #[arg(long)]
+    #[arg(long, env = "IDEM_DATABASE_URL")]
     database_url: String,
     /// Messages per transaction.
     #[arg(long, default_value_t = 100)]
@@ -224,7 +224,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         Some(url) => url.clone(),
         None => format!("sqlite://{}", dir.join("ledger.db").display()),
     };
-    let db = Db::open(&url, 2).await?;
+    let db = Db::create(&url, 2).await?;
     let tables = Tables::new(None, PREFIX)?;
     prepare(&db, &tables).await?;
 
@@ -610,7 +610,7 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
 
 /// `idem demo-prepare`: recreates the demo's tables (for tests that drive `demo-worker` themselves).
 pub async fn prepare_only(database_url: &str) -> anyhow::Result<ExitCode> {
-    let db = Db::open(database_url, 1).await?;
+    let db = Db::create(database_url, 1).await?;
     prepare(&db, &Tables::new(None, PREFIX)?).await?;
     Ok(ExitCode::SUCCESS)
 }

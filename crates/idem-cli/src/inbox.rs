@@ -66,7 +66,7 @@ pub enum InboxCommand {
 #[derive(clap::Args)]
 pub struct InstanceArgs {
     /// The instance id (see `list`).
-    #[arg(required_unless_present_all = ["sequence", "context"])]
+    #[arg(required_unless_present = "sequence")]
     id: Option<i64>,
     /// The sequence name, with --context instead of an id.
     #[arg(long, requires = "context", conflicts_with = "id")]
@@ -105,9 +105,7 @@ pub async fn run(command: InboxCommand) -> anyhow::Result<ExitCode> {
         InboxCommand::Show { db, instance, json } => {
             let (pool, tables) = open(&db).await?;
             let id = resolve(&pool, &tables, &instance).await?;
-            let Some((summary, messages)) = admin::show(&pool, &tables, id).await? else {
-                bail!("no sequence instance {id}");
-            };
+            let (summary, messages) = existing(&pool, &tables, id).await?;
             if json {
                 println!("{}", serde_json::json!({ "instance": summary, "messages": messages }));
             } else {
@@ -134,15 +132,29 @@ pub async fn run(command: InboxCommand) -> anyhow::Result<ExitCode> {
         InboxCommand::Close { db, instance } => {
             let (pool, tables) = open(&db).await?;
             let id = resolve(&pool, &tables, &instance).await?;
+            let (summary, _) = existing(&pool, &tables, id).await?;
+            if summary.waiting > 0 {
+                eprintln!(
+                    "warning: instance {id} holds {} WAITING message(s); closing does not handle them: they stay, and \
+                     are dead-lettered when the instance expires (`idem inbox release {id}` handles them instead)",
+                    summary.waiting
+                );
+            }
             if admin::close(&pool, &tables, id).await? {
                 println!("instance {id} closed");
             } else {
-                println!("instance {id} is already closed (or gone)");
+                println!("instance {id} was already closed");
             }
         }
         InboxCommand::Release { db, instance, message } => {
             let (pool, tables) = open(&db).await?;
             let id = resolve(&pool, &tables, &instance).await?;
+            let (_, messages) = existing(&pool, &tables, id).await?;
+            if let Some(message) = message
+                && !messages.iter().any(|m| m.id == message)
+            {
+                bail!("instance {id} has no message {message}; see `idem inbox show {id}`");
+            }
             let released = admin::release(&pool, &tables, id, message).await?;
             println!(
                 "{released} message(s) of instance {id} released; the running consumer handles them at its next \
@@ -159,6 +171,15 @@ async fn open(args: &DbArgs) -> anyhow::Result<(sqlx::PgPool, idem::Tables)> {
         Db::Postgres(pool) => Ok((pool, tables)),
         Db::Sqlite(_) => bail!("--database-url: the Sequential Inbox needs PostgreSQL"),
     }
+}
+
+/// The instance and its messages; not found is an error.
+async fn existing(
+    pool: &sqlx::PgPool,
+    tables: &idem::Tables,
+    id: i64,
+) -> anyhow::Result<(admin::InstanceSummary, Vec<admin::StoredMessage>)> {
+    admin::show(pool, tables, id).await?.with_context(|| format!("no sequence instance {id}; see `idem inbox list`"))
 }
 
 async fn resolve(pool: &sqlx::PgPool, tables: &idem::Tables, args: &InstanceArgs) -> anyhow::Result<i64> {

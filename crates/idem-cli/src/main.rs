@@ -185,6 +185,20 @@ enum DeadLetterCommand {
     },
 }
 
+/// What to do about an error whose fix the message alone does not say.
+fn hint(error: &anyhow::Error) -> Option<&'static str> {
+    let database = error.chain().find_map(|cause| match cause.downcast_ref::<idem::Error>() {
+        Some(idem::Error::Database(e)) => Some(e),
+        _ => cause.downcast_ref::<sqlx::Error>(),
+    })?;
+    let db = database.as_database_error()?;
+    let missing_table = db.code().as_deref() == Some("42P01") || db.message().starts_with("no such table");
+    missing_table.then_some(
+        "idem's tables are not in this database under these names: run `idem migrate` with the same \
+         --database-url, or pass the --table-prefix (and --schema) the consumers were configured with",
+    )
+}
+
 fn main() -> ExitCode {
     // Output piped into `head` ends quietly, as other Unix tools do, instead of panicking on EPIPE.
     // SAFETY: setting a signal disposition to its default before any thread starts.
@@ -255,6 +269,9 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
+            if let Some(hint) = hint(&e) {
+                eprintln!("hint: {hint}");
+            }
             ExitCode::FAILURE
         }
     }

@@ -52,6 +52,6 @@ pub async fn replay<DB: Backend, P: Publisher>(
     copy.headers.push((REPLAY_FOR_HEADER.to_owned(), letter.consumer_group.clone().into_bytes()));
     publisher.publish(&copy).await?;
     DB::finish_replay(pool, tables, letter.id).await?;
-    tracing::info!(id = letter.id, event_id = ?letter.event_id, topic = %letter.topic, "dead letter replayed");
+    tracing::info!(id = letter.id, consumer_group = %letter.consumer_group, event_id = letter.event_id.as_deref().unwrap_or(""), topic = %letter.topic, "dead letter replayed");
     Ok(true)
 }

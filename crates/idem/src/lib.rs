@@ -49,7 +49,7 @@
 //! * [`prune`]: bounded, lock-friendly pruning of markers. [`kill_switch`]: holding the consumer when every
 //!   message fails the same way.
 //! * [`dead_letter`]: listing and replaying dead letters. [`fault`]: crash injection for tests and the demo.
-//! * [`error`]: errors that say whether a retry can help.
+//! * [`error`]: errors that say whether a retry can help. [`telemetry`]: the metric catalogue.
 //! * `kafka` (feature `kafka`): the Kafka source, the producer helper and the retention guard.
 #![warn(missing_docs)]
 
@@ -70,6 +70,7 @@ pub mod message;
 pub mod prune;
 pub mod source;
 pub mod store;
+pub mod telemetry;
 
 pub use config::{Config, IdReusePolicy, MarkerLayout, PartitionPeriod, Partitioning, Pruning};
 pub use engine::{Committed, Engine, Health, Outcome, StatsSnapshot};

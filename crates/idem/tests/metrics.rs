@@ -59,4 +59,9 @@ async fn metrics_after_a_known_run() {
         ),
         "{text}"
     );
+    // Every metric is described (`# HELP`), and the kill switch's gauge is published from the start.
+    for name in ["events_handled_total", "processed_events_row_count", "dead_letters_stored", "consumer_paused"] {
+        assert!(text.contains(&format!("# HELP {name} ")), "no HELP for {name} in:\n{text}");
+    }
+    assert!(text.contains(r#"consumer_paused{consumer_group="ledger-writer"} 0"#), "{text}");
 }

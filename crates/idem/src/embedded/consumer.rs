@@ -71,7 +71,7 @@ impl EmbeddedLog {
             ));
         }
         let assignment: Vec<Partition> = parts.iter().map(|p: &PartReader| p.partition.clone()).collect();
-        tracing::debug!(group, ?assignment, "embedded log consumer started");
+        tracing::debug!(consumer_group = group, ?assignment, "embedded log consumer started");
         Ok(LogConsumer {
             group: group.to_owned(),
             options,

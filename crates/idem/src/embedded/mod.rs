@@ -225,7 +225,8 @@ impl EmbeddedLog {
         validate_name("topic", topic)?;
         self.read_meta(topic)?.ok_or_else(|| {
             permanent(format!(
-                "topic {topic} does not exist in {}: create it with EmbeddedLog::create_topic first",
+                "topic {topic} does not exist in {}: check the log directory and the topic name (a producer \
+                 creates the topic before it sends)",
                 self.dir.display()
             ))
         })

@@ -26,6 +26,8 @@ impl<DB: Backend> Engine<DB> {
         apply: Arc<P>,
         shutdown: impl Future + Send,
     ) -> Result<StatsSnapshot, Error> {
+        crate::telemetry::describe();
+        metrics::gauge!("consumer_paused", "consumer_group" => self.inner.config.group.clone()).set(0.0);
         self.prepare_layout().await?;
         let source = Arc::new(source);
         let _housekeeping = AbortOnDrop(tokio::spawn(self.clone().housekeeping()));
@@ -42,7 +44,7 @@ impl<DB: Backend> Engine<DB> {
                     if let Some(error) = error { break Err(error); }
                 }
                 _ = &mut shutdown => {
-                    tracing::info!(group = %self.inner.config.group, "shutdown requested: draining in-flight batches");
+                    tracing::info!(consumer_group = %self.inner.config.group, "shutdown requested: draining in-flight batches");
                     for worker in workers.values() { worker.stopping.trigger(); }
                     break Ok(());
                 }
@@ -67,7 +69,7 @@ impl<DB: Backend> Engine<DB> {
                                 if let Some(error) = error { break 'poll Err(error); }
                             }
                             _ = &mut shutdown => {
-                                tracing::info!(group = %self.inner.config.group, "shutdown requested while a partition was full: draining");
+                                tracing::info!(consumer_group = %self.inner.config.group, "shutdown requested while a partition was full: draining");
                                 for worker in workers.values() { worker.stopping.trigger(); }
                                 break 'poll Ok(());
                             }

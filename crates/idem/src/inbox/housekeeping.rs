@@ -40,10 +40,14 @@ impl SequentialInbox {
         Ok(HousekeepingReport { closed, released, deleted, reported })
     }
 
-    /// Runs [`SequentialInbox::housekeep`] every interval; failures are logged and tried again next time.
+    /// Runs [`SequentialInbox::housekeep`] at once (so the gauges are right from the start) and then every
+    /// interval; failures are logged and tried again next time.
     pub(super) async fn housekeeping_loop<H: Handler<Postgres>>(self, handler: Arc<H>) {
+        let mut first = true;
         loop {
-            tokio::time::sleep(self.config.housekeeping.interval).await;
+            if !std::mem::take(&mut first) {
+                tokio::time::sleep(self.config.housekeeping.interval).await;
+            }
             match self.housekeep(handler.as_ref()).await {
                 Ok(report) if report != HousekeepingReport::default() => {
                     tracing::info!(?report, "inbox housekeeping");

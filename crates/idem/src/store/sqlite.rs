@@ -286,11 +286,29 @@ fn dead_letter_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<DeadLetter, sql
 /// transaction survives a power cut, so the offset acknowledged after it never runs ahead), a 30 s busy timeout
 /// so that concurrent writers wait instead of failing, and foreign keys on. `url` is `sqlite://path` or a path.
 pub async fn connect(url: &str) -> Result<sqlx::SqlitePool, Error> {
+    open(url, true).await
+}
+
+/// Like [`connect`], but an error naming the path when the database file does not exist: for tools that only read
+/// or change an existing database, which must not leave an empty one behind a mistyped path.
+pub async fn connect_existing(url: &str) -> Result<sqlx::SqlitePool, Error> {
+    open(url, false).await
+}
+
+async fn open(url: &str, create: bool) -> Result<sqlx::SqlitePool, Error> {
     use std::str::FromStr;
     let url = if url.starts_with("sqlite:") { url.to_owned() } else { format!("sqlite://{url}") };
     let options = sqlx::sqlite::SqliteConnectOptions::from_str(&url)
-        .map_err(|e| Error::Config(format!("database_url `{url}` is not a SQLite URL: {e}")))?
-        .create_if_missing(true)
+        .map_err(|e| Error::Config(format!("database_url `{url}` is not a SQLite URL: {e}")))?;
+    let path = options.get_filename().to_path_buf();
+    if !create && path.as_os_str() != ":memory:" && !path.exists() {
+        return Err(Error::Connect {
+            target: format!("SQLite at {}", path.display()),
+            reason: "no database file there: check --database-url (`idem migrate` creates one)".into(),
+        });
+    }
+    let options = options
+        .create_if_missing(create)
         .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
         .synchronous(sqlx::sqlite::SqliteSynchronous::Full)
         .busy_timeout(std::time::Duration::from_secs(30))

@@ -1,0 +1,73 @@
+//! The metric catalogue: every metric idem writes, with its unit and `# HELP` text, described to the installed
+//! `metrics` recorder when a consumer starts. Names follow document 000.
+
+use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+
+/// Describes every metric to the recorder installed now (call again after installing another).
+pub fn describe() {
+    describe_counter!(
+        "events_handled_total",
+        Unit::Count,
+        "Messages handled, by consumer_group, topic and outcome (processed, duplicate, dead_lettered, id_reused; \
+         retried counts rolled-back attempts)"
+    );
+    describe_histogram!(
+        "event_handle_duration_seconds",
+        Unit::Seconds,
+        "Time of one committed transaction (a batch), from BEGIN to COMMIT"
+    );
+    describe_gauge!(
+        "consumer_offset_commit_lag_seconds",
+        Unit::Seconds,
+        "Time from a batch's COMMIT to its acknowledgement to the broker, per partition"
+    );
+    describe_gauge!("processed_events_row_count", Unit::Count, "Markers stored for the consumer group");
+    describe_gauge!("processed_events_oldest_age_seconds", Unit::Seconds, "Age of the group's oldest marker");
+    describe_gauge!("dead_letters_stored", Unit::Count, "Dead letters stored for the consumer group");
+    describe_counter!("processed_events_pruned_total", Unit::Count, "Markers deleted by pruning");
+    describe_gauge!(
+        "processed_events_prune_longest_statement_seconds",
+        Unit::Seconds,
+        "Longest DELETE statement of the last pruning pass"
+    );
+    describe_counter!(
+        "events_lost_total",
+        Unit::Count,
+        "Events never delivered, from holes in producer sequence numbers (idem-producer-id / idem-seq)"
+    );
+    describe_gauge!(
+        "consumer_paused",
+        Unit::Count,
+        "1 while the kill switch holds the consumer (many messages in a row failed the same way), else 0"
+    );
+    describe_counter!("kill_switch_trips_total", Unit::Count, "Times the kill switch tripped");
+    describe_gauge!(
+        "kafka_topic_retention_seconds",
+        Unit::Seconds,
+        "A consumed topic's retention.ms, read at start-up"
+    );
+    describe_gauge!("consumer_lag_messages", Unit::Count, "Messages behind the end of each owned Kafka partition");
+    for (name, help) in [
+        ("inbox_consumed_total", "Sequenced messages delivered to the Sequential Inbox"),
+        ("inbox_processed_total", "Sequenced messages handled on arrival"),
+        ("inbox_released_total", "Buffered messages handled once their release condition held"),
+        ("inbox_buffered_total", "Sequenced messages stored WAITING for their predecessors"),
+        ("inbox_duplicates_skipped_total", "Sequenced messages skipped as duplicates of a claim"),
+        ("inbox_failed_total", "Released messages that failed and were marked FAILED"),
+        ("inbox_dead_lettered_total", "Sequenced messages dead-lettered"),
+    ] {
+        describe_counter!(name, Unit::Count, help);
+    }
+    describe_gauge!("inbox_waiting_messages", Unit::Count, "Messages WAITING in the Sequential Inbox, per sequence");
+    describe_gauge!(
+        "inbox_oldest_waiting_age_seconds",
+        Unit::Seconds,
+        "Age of the oldest WAITING message, per sequence"
+    );
+    describe_gauge!(
+        "inbox_instances_expiring_soon",
+        Unit::Count,
+        "Open sequence instances whose retention ends within housekeeping.expiring_soon"
+    );
+    describe_gauge!("inbox_instances_expired", Unit::Count, "Sequence instances past their retention, not yet deleted");
+}
