@@ -50,6 +50,11 @@ fn print_stats(stats: &[GroupStats], json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A progress bar's rate as a person writes it: `5234/s`.
+pub fn rate(state: &indicatif::ProgressState, out: &mut dyn std::fmt::Write) {
+    let _ = write!(out, "{:.0}/s", state.per_sec());
+}
+
 fn human_duration(seconds: f64) -> String {
     match seconds {
         s if s < 120.0 => format!("{s:.0}s"),
@@ -185,13 +190,27 @@ pub struct PruneOptions<'a> {
     pub json: bool,
     /// Partitions to create ahead (partitioned layout).
     pub create_ahead: u32,
+    /// Accept a retention below [`RETENTION_FLOOR`].
+    pub force: bool,
 }
+
+/// The shortest retention `idem prune` accepts without `--force`: below it, markers go while a broker can
+/// usually still redeliver, and a redelivery after that is applied twice.
+const RETENTION_FLOOR: std::time::Duration = std::time::Duration::from_secs(3_600);
 
 /// `idem prune`: batched deletes on the plain layout; whole partitions dropped (and new ones created ahead) on
 /// the partitioned one.
 pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -> anyhow::Result<ExitCode> {
-    let PruneOptions { group, ref pruning, dry_run, json, create_ahead } = *options;
+    let PruneOptions { group, ref pruning, dry_run, json, create_ahead, force } = *options;
+    let retention_text = retention.trim();
     let retention = idem::prune::parse_duration(retention)?;
+    if retention < RETENTION_FLOOR && !force {
+        bail!(
+            "--retention {retention_text} is below one hour: markers would go while the broker can still redeliver \
+             their events, and a redelivery after that is applied twice; keep markers longer than the broker's \
+             retention (Kafka: retention.ms), or pass --force if you mean it"
+        );
+    }
     if pruning.batch_size == 0 {
         anyhow::bail!("--batch-size 0: use at least 1 (default 10000)");
     }
@@ -213,7 +232,7 @@ pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -
         if json {
             println!("{}", serde_json::json!({ "dry_run": true, "would_delete": expired }));
         } else {
-            println!("{expired} marker(s) older than {retention:?} would be deleted");
+            println!("{expired} marker(s) older than {retention_text} would be deleted");
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -222,8 +241,9 @@ pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} pruning {bar:40} {pos}/{len} markers {per_sec}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template("{spinner} pruning {bar:40} {pos}/{len} markers {rate}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .with_key("rate", rate),
     );
     let report = with_pool!(&db, pool => idem::prune::prune(pool, &tables, group, retention, pruning, |done| bar.set_position(done)).await?);
     bar.finish_and_clear();

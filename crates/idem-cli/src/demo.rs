@@ -263,8 +263,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
     consume(&args, &transport, &url, &plan, seed, &mut summary).await?;
     summary.consume_seconds = started.elapsed().as_secs_f64();
-    summary.throughput_per_second = summary.deliveries as f64 / summary.consume_seconds.max(1e-9);
     verify(&db, &plan, &mut summary).await?;
+    summary.throughput_per_second = summary.deliveries as f64 / summary.consume_seconds.max(1e-9);
     if temporary {
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -418,9 +418,10 @@ async fn consume(
     }
     progress.set_style(
         indicatif::ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} deliveries {per_sec} {msg}",
+            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} deliveries {rate} {msg}",
         )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .with_key("rate", crate::commands::rate),
     );
     let exe = std::env::current_exe().context("cannot find the idem executable to run consumers")?;
     let mut rng = Rng(seed ^ 0x5eed);
@@ -526,6 +527,11 @@ async fn verify(db: &Db, plan: &Plan, summary: &mut Summary) -> anyhow::Result<(
     summary.distinct_ledger_events = distinct;
     summary.markers = markers;
     summary.dead_letter_rows = dead;
+    // What committed, from the database: a consumer killed while another of its workers commits can lose that
+    // commit's report line, never the commit. Duplicates stay as the consumers reported them.
+    summary.processed = u64::try_from(distinct).unwrap_or(0);
+    summary.dead_lettered = u64::try_from(dead).unwrap_or(0);
+    summary.deliveries = summary.processed + summary.duplicates_absorbed + summary.dead_lettered;
     let mut check = |ok: bool, what: String| {
         if !ok {
             summary.mismatches.push(what);

@@ -34,7 +34,7 @@ pub struct DbArgs {
     /// Database URL: postgres://user@host/db or sqlite://path.db.
     #[arg(long, env = "IDEM_DATABASE_URL")]
     database_url: String,
-    /// PostgreSQL schema for idem's tables (created if missing).
+    /// PostgreSQL schema of idem's tables (`idem migrate` creates it if missing).
     #[arg(long)]
     schema: Option<String>,
     /// Prefix of idem's table names, so several services can share one database.
@@ -44,7 +44,8 @@ pub struct DbArgs {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Create or upgrade idem's tables (processed_events, dead_letters); safe to run twice and concurrently.
+    /// Create or upgrade idem's tables (processed_events, dead_letters and, on PostgreSQL, the Sequential Inbox's);
+    /// safe to run twice and concurrently.
     Migrate {
         #[command(flatten)]
         db: DbArgs,
@@ -80,9 +81,13 @@ enum Command {
     Prune {
         #[command(flatten)]
         db: DbArgs,
-        /// Keep markers this long: e.g. 8d, 36h, 90m. Keep it above how long the broker can redeliver.
+        /// Keep markers this long: e.g. 8d, 36h, 90m. Keep it above how long the broker can redeliver; below one
+        /// hour is refused without --force.
         #[arg(long)]
         retention: String,
+        /// Accept a retention below one hour.
+        #[arg(long)]
+        force: bool,
         /// Only this consumer group's markers (default: every group's).
         #[arg(long)]
         group: Option<String>,
@@ -234,13 +239,14 @@ fn main() -> ExitCode {
             Command::DemoPrepare { database_url } => demo::prepare_only(&database_url).await,
             Command::DemoProduce(args) => demo::produce(args).await,
             Command::Stats { db, json } => commands::stats(&db, json).await,
-            Command::Prune { db, retention, group, batch_size, pause_ms, dry_run, json, create_ahead } => {
+            Command::Prune { db, retention, force, group, batch_size, pause_ms, dry_run, json, create_ahead } => {
                 let pruning = idem::Pruning {
                     batch_size,
                     pause: std::time::Duration::from_millis(pause_ms),
                     ..idem::Pruning::default()
                 };
-                let options = commands::PruneOptions { group: group.as_deref(), pruning, dry_run, json, create_ahead };
+                let options =
+                    commands::PruneOptions { group: group.as_deref(), pruning, dry_run, json, create_ahead, force };
                 commands::prune(&db, &retention, &options).await
             }
             Command::Bench(args) => bench::run(args).await,

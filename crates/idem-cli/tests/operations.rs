@@ -98,11 +98,14 @@ fn metrics_health_and_prune_of_a_running_consumer() {
 
     // idem prune: a dry run counts, a pass deletes in bounded statements.
     let db = ["--database-url", url.as_str(), "--table-prefix", "idem_demo_"];
-    let out = idem().args(["prune", "--retention", "0s", "--dry-run", "--json"]).args(db).output().unwrap();
+    let out = idem().args(["prune", "--retention", "0s", "--dry-run"]).args(db).output().unwrap();
+    let refused = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && refused.contains("below one hour") && refused.contains("--force"), "{refused}");
+    let out = idem().args(["prune", "--retention", "0s", "--force", "--dry-run", "--json"]).args(db).output().unwrap();
     let dry: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(dry["would_delete"], 10, "{dry}");
     let out = idem()
-        .args(["prune", "--retention", "0s", "--batch-size", "4", "--pause-ms", "1", "--json"])
+        .args(["prune", "--retention", "0s", "--force", "--batch-size", "4", "--pause-ms", "1", "--json"])
         .args(db)
         .output()
         .unwrap();
