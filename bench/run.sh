@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Runs `idem bench` with everything it needs: a virtualenv with psycopg 3 for the reference handler (installed
+# Runs `idem-bench` with everything it needs: a virtualenv with psycopg 3 for the reference handler (installed
 # once, in ~/.cache/idem-tools/bench-venv), the Kafka-compatible broker (scripts/kafka.sh), a release build.
 #
 #   bench/run.sh            the full benchmark (about 25 minutes on 2 cores)
 #   bench/run.sh --quick    a small version: checks that every leg runs and totals are right
 #
-# Extra arguments go to `idem bench` (see `idem bench --help`).
+# Extra arguments go to `idem-bench` (see `idem-bench --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,5 +22,5 @@ if [ -z "$brokers" ]; then
     brokers=127.0.0.1:9092
 fi
 
-cargo build --release -p idem-cli >&2
-exec target/release/idem bench --python "$venv/bin/python" --kafka "$brokers" "$@"
+cargo build --release -p idem-bench >&2
+exec target/release/idem-bench --python "$venv/bin/python" --kafka "$brokers" "$@"

@@ -45,5 +45,5 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import psycopg" 2>/de
 fi
 python_arg=()
 if "$venv/bin/python" -c "import psycopg" 2>/dev/null; then python_arg=(--python "$venv/bin/python"); fi
-cargo run --quiet -p idem-cli -- bench --quick "${python_arg[@]}" \
+cargo run --quiet -p idem-bench -- --quick "${python_arg[@]}" \
   --database-url "${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"

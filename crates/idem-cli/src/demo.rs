@@ -195,7 +195,7 @@ struct Plan {
 }
 
 /// SplitMix64: a small, seedable generator, enough for a demo.
-pub(crate) struct Rng(pub(crate) u64);
+pub struct Rng(pub u64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
@@ -206,7 +206,7 @@ impl Rng {
         z ^ (z >> 31)
     }
 
-    pub(crate) fn below(&mut self, n: u64) -> u64 {
+    pub fn below(&mut self, n: u64) -> u64 {
         if n == 0 { 0 } else { self.next() % n }
     }
 }
@@ -373,12 +373,7 @@ fn write_embedded(log_dir: &Path, partitions: i32, records: &[(i64, String)]) ->
 
 /// Produces to a fresh topic (explicit 7-day retention) through the idempotent producer helper, many sends in
 /// flight at once.
-pub(crate) async fn write_kafka(
-    brokers: &str,
-    topic: &str,
-    partitions: i32,
-    records: &[(i64, String)],
-) -> anyhow::Result<()> {
+pub async fn write_kafka(brokers: &str, topic: &str, partitions: i32, records: &[(i64, String)]) -> anyhow::Result<()> {
     idem::kafka::create_topic(brokers, topic, partitions, 7 * 24 * 3_600_000).await?;
     let producer = std::sync::Arc::new(idem::kafka::KafkaProducer::new(brokers)?);
     for chunk in records.chunks(2000) {

@@ -1,18 +1,11 @@
 //! The `idem` command: a thin layer over the library. Each subcommand parses its arguments and calls one
 //! function of [`commands`] or [`demo`].
 
-mod bench;
-mod commands;
-mod db;
-mod demo;
-mod embedded_log;
-mod http;
-mod inbox;
-
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use idem_cli::{DbArgs, commands, demo, embedded_log, inbox};
 
 /// Exactly-once effects over at-least-once message delivery.
 #[derive(Parser)]
@@ -26,20 +19,6 @@ struct Cli {
     log_format: String,
     #[command(subcommand)]
     command: Command,
-}
-
-/// Where the markers live: the database URL and the table names.
-#[derive(clap::Args, Clone, Debug)]
-pub struct DbArgs {
-    /// Database URL: postgres://user@host/db or sqlite://path.db.
-    #[arg(long, env = "IDEM_DATABASE_URL")]
-    database_url: String,
-    /// PostgreSQL schema of idem's tables (`idem migrate` creates it if missing).
-    #[arg(long)]
-    schema: Option<String>,
-    /// Prefix of idem's table names, so several services can share one database.
-    #[arg(long, default_value = "")]
-    table_prefix: String,
 }
 
 #[derive(Subcommand)]
@@ -107,11 +86,6 @@ enum Command {
         #[arg(long, default_value_t = 7)]
         create_ahead: u32,
     },
-    /// Benchmark idem against pgbench, the reference handler and the batched SQL limit (see bench/README.md).
-    Bench(bench::BenchArgs),
-    /// Hidden: the Kafka leg's consumer process.
-    #[command(hide = true)]
-    BenchConsume(bench::ConsumeArgs),
     /// The marker table's layout: show it, or convert between plain and partitioned (PostgreSQL).
     #[command(subcommand)]
     Markers(MarkersCommand),
@@ -249,8 +223,6 @@ fn main() -> ExitCode {
                     commands::PruneOptions { group: group.as_deref(), pruning, dry_run, json, create_ahead, force };
                 commands::prune(&db, &retention, &options).await
             }
-            Command::Bench(args) => bench::run(args).await,
-            Command::BenchConsume(args) => bench::consume(args).await,
             Command::Inbox(command) => inbox::run(command).await,
             Command::Log(command) => embedded_log::run(command).await,
             Command::Markers(MarkersCommand::Layout { db }) => commands::markers_layout(&db).await,

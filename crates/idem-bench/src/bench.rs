@@ -1,4 +1,4 @@
-//! `idem bench`: idem side by side with PostgreSQL's own limit and the reference handler of document 000, on one
+//! `idem-bench`: idem side by side with PostgreSQL's own limit and the reference handler of document 000, on one
 //! PostgreSQL, over the same payment events, each leg on fresh tables, each leg checking its ledger total.
 //!
 //! Legs: pgbench running the per-event transaction; the Python reference handler; idem with one transaction per
@@ -18,7 +18,7 @@ use idem::{
 };
 use sqlx::{Connection, PgConnection, PgPool};
 
-use crate::demo::Rng;
+use idem_cli::demo::Rng;
 
 const PREFIX: &str = "bench_";
 const GROUP: &str = "bench";
@@ -27,7 +27,7 @@ const TOPIC: &str = "payments";
 /// Consumer settings of the Kafka legs (before any `--kafka-setting`): a quick group join.
 const KAFKA_DEFAULTS: [&str; 2] = ["session.timeout.ms=6000", "heartbeat.interval.ms=1000"];
 
-/// Arguments of `idem bench`.
+/// Arguments of `idem-bench`.
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
     /// The PostgreSQL database (tables prefixed `bench_` are recreated for every leg).
@@ -52,9 +52,9 @@ pub struct BenchArgs {
     /// the reference leg is skipped.
     #[arg(long, env = "IDEM_BENCH_PYTHON")]
     python: Option<PathBuf>,
-    /// The reference handler.
-    #[arg(long, default_value = "bench/reference/reference.py")]
-    reference: PathBuf,
+    /// The reference handler (default: the copy built into this program, from bench/reference/reference.py).
+    #[arg(long)]
+    reference: Option<PathBuf>,
     /// Kafka brokers for the end-to-end leg (skipped without).
     #[arg(long)]
     kafka: Option<String>,
@@ -75,7 +75,7 @@ pub struct BenchArgs {
     seed: u64,
 }
 
-/// Arguments of the hidden `idem bench-consume`: the Kafka leg's consumer, in a process of its own so that its
+/// Arguments of the hidden `idem-bench consume`: the Kafka leg's consumer, in a process of its own so that its
 /// memory is measured alone.
 #[derive(clap::Args, Debug)]
 pub struct ConsumeArgs {
@@ -176,7 +176,7 @@ impl Leg {
     }
 }
 
-/// `idem bench`.
+/// `idem-bench`: every leg, then the table of rates and ratios.
 pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
     if args.quick {
         args.events = args.events.min(2_000);
@@ -188,7 +188,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
     }
     let pool = idem::postgres::connect(&args.database_url, 8)
         .await
-        .with_context(|| format!("--database-url: cannot connect to {}", crate::db::redact(&args.database_url)))?;
+        .with_context(|| format!("--database-url: cannot connect to {}", idem_cli::db::redact(&args.database_url)))?;
     let work = workload(args.events, args.duplicates, args.accounts, args.seed);
     let wanted = |name: &str| args.only.as_deref().is_none_or(|only| only.split(';').any(|w| name.contains(w.trim())));
     let mut legs: Vec<Leg> = Vec::new();
@@ -445,6 +445,9 @@ fn write_events_file(work: &Workload) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
+/// The reference handler's source, built in so that the benchmark runs from any directory.
+const REFERENCE: &str = include_str!("../../../bench/reference/reference.py");
+
 /// The reference handler of document 000 step 2, in Python with psycopg 3.
 async fn reference(
     pool: &PgPool,
@@ -454,13 +457,25 @@ async fn reference(
     work: &Workload,
 ) -> anyhow::Result<f64> {
     fresh_tables(pool, args.accounts).await?;
+    let script = match &args.reference {
+        Some(path) => path.clone(),
+        None => {
+            let path = std::env::temp_dir().join(format!("idem-bench-reference-{}.py", std::process::id()));
+            std::fs::write(&path, REFERENCE).with_context(|| format!("cannot write {}", path.display()))?;
+            path
+        }
+    };
     let output = tokio::process::Command::new(python)
-        .arg(&args.reference)
+        .arg(&script)
         .arg(&args.database_url)
         .arg(events)
         .output()
         .await
-        .with_context(|| format!("--python {}: cannot run {}", python.display(), args.reference.display()))?;
+        .with_context(|| format!("--python {}: cannot run {}", python.display(), script.display()));
+    if args.reference.is_none() {
+        let _ = std::fs::remove_file(&script);
+    }
+    let output = output?;
     if !output.status.success() {
         bail!("reference handler failed: {}", String::from_utf8_lossy(&output.stderr));
     }
@@ -690,7 +705,7 @@ async fn kafka_leg(pool: &PgPool, args: &BenchArgs, brokers: &str, name: String)
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     let topic = format!("bench-{nanos}");
     let records: Vec<(i64, String)> = work.deliveries.iter().map(|p| (p.account, payload(p))).collect();
-    crate::demo::write_kafka(brokers, &topic, 4, &records).await?;
+    idem_cli::demo::write_kafka(brokers, &topic, 4, &records).await?;
     drop(records);
     let mut runs = Vec::new();
     let mut peak: f64 = 0.0;
@@ -727,7 +742,7 @@ async fn kafka_leg(pool: &PgPool, args: &BenchArgs, brokers: &str, name: String)
     Ok((read, leg))
 }
 
-/// Runs `idem bench-consume` (reading only, or into the database) and returns its JSON report.
+/// Runs `idem-bench consume` (reading only, or into the database) and returns its JSON report.
 async fn consume_child(
     args: &BenchArgs,
     brokers: &str,
@@ -738,7 +753,7 @@ async fn consume_child(
 ) -> anyhow::Result<serde_json::Value> {
     let settings = KAFKA_DEFAULTS.iter().copied().chain(args.kafka_settings.iter().map(String::as_str));
     let output = tokio::process::Command::new(std::env::current_exe()?)
-        .args(["bench-consume", "--database-url", &args.database_url, "--kafka", brokers, "--topic", topic])
+        .args(["consume", "--database-url", &args.database_url, "--kafka", brokers, "--topic", topic])
         .args(["--group", group, "--batch-size", "1000", "--deliveries", &deliveries.to_string()])
         .args(read_only.then_some("--read-only"))
         .args(settings.flat_map(|s| ["--kafka-setting", s]))
@@ -748,7 +763,7 @@ async fn consume_child(
     if !output.status.success() {
         bail!("the Kafka consumer process failed (exit {:?})", output.status.code());
     }
-    serde_json::from_slice(&output.stdout).context("bench-consume output")
+    serde_json::from_slice(&output.stdout).context("the consumer process's output")
 }
 
 fn rss_mib(field: &str) -> f64 {
@@ -760,7 +775,7 @@ fn rss_mib(field: &str) -> f64 {
         .map_or(0.0, |kib| (kib / 1024.0 * 10.0).round() / 10.0)
 }
 
-/// `idem bench-consume`: consumes the topic to its end with the batch handler; prints its rate (from the first
+/// `idem-bench consume`: consumes the topic to its end with the batch handler; prints its rate (from the first
 /// commit to the last, so the group join is not counted) and its memory.
 pub async fn consume(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
     let pool = idem::postgres::connect(&args.database_url, 6).await?;
