@@ -58,9 +58,8 @@ fn instant(sequence: &str, at: &toml::value::Datetime) -> Result<SystemTime, Err
         toml::value::Offset::Custom { minutes } => i64::from(minutes),
     };
     let days = days_from_civil(i64::from(date.year), i64::from(date.month), i64::from(date.day));
-    let seconds =
-        days * 86_400 + i64::from(time.hour) * 3_600 + i64::from(time.minute) * 60 + i64::from(time.second)
-            - offset_minutes * 60;
+    let seconds = days * 86_400 + i64::from(time.hour) * 3_600 + i64::from(time.minute) * 60 + i64::from(time.second)
+        - offset_minutes * 60;
     let seconds = u64::try_from(seconds).map_err(|_| bad())?;
     Ok(SystemTime::UNIX_EPOCH + Duration::new(seconds, time.nanosecond))
 }

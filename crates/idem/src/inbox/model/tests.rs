@@ -1,34 +1,34 @@
 use super::*;
 
 const ORDER: &str = r#"
-    sub_type = "header:subtype"
+        sub_type = "header:subtype"
 
-    [[sequence]]
-    name = "order"
-    retention = "30d"
+        [[sequence]]
+        name = "order"
+        retention = "30d"
 
-    [[sequence.type]]
-    name = "OrderCreated"
-    context_id = "json:/orderId"
+        [[sequence.type]]
+        name = "OrderCreated"
+        context_id = "json:/orderId"
 
-    [[sequence.type]]
-    name = "OrderValidated"
-    sub_type = "stock"
-    context_id = "json:/orderId"
-    release = { predecessor = "OrderCreated" }
+        [[sequence.type]]
+        name = "OrderValidated"
+        sub_type = "stock"
+        context_id = "json:/orderId"
+        release = { predecessor = "OrderCreated" }
 
-    [[sequence.type]]
-    name = "OrderValidated"
-    sub_type = "payment"
-    context_id = "json:/orderId"
-    release = { predecessor = "OrderCreated" }
+        [[sequence.type]]
+        name = "OrderValidated"
+        sub_type = "payment"
+        context_id = "json:/orderId"
+        release = { predecessor = "OrderCreated" }
 
-    [[sequence.type]]
-    name = "OrderShipped"
-    context_id = "json:/orderId"
-    filter = { pointer = "/express", equals = false }
-    release = { all = [{ predecessor = "OrderValidated/stock" }, { predecessor = "OrderValidated/payment" }] }
-"#;
+        [[sequence.type]]
+        name = "OrderShipped"
+        context_id = "json:/orderId"
+        filter = { pointer = "/express", equals = false }
+        release = { all = [{ predecessor = "OrderValidated/stock" }, { predecessor = "OrderValidated/payment" }] }
+    "#;
 
 fn error_of(text: &str) -> String {
     InboxConfig::from_toml(text).unwrap_err().to_string()
@@ -58,11 +58,11 @@ fn the_order_sequence_parses_and_its_conditions_hold_in_order() {
 #[test]
 fn nested_conditions_and_recording_parse() {
     let nested = ORDER
-        .replace(
-            r#"release = { all = [{ predecessor = "OrderValidated/stock" }, { predecessor = "OrderValidated/payment" }] }"#,
-            r#"release = { all = [{ predecessor = "OrderValidated/stock" }, { any = [{ predecessor = "OrderCreated" }] }] }"#,
-        )
-        .replace("retention = \"30d\"", "retention = \"30d\"\nrecord_until = 2026-12-01T01:00:00+01:00");
+            .replace(
+                r#"release = { all = [{ predecessor = "OrderValidated/stock" }, { predecessor = "OrderValidated/payment" }] }"#,
+                r#"release = { all = [{ predecessor = "OrderValidated/stock" }, { any = [{ predecessor = "OrderCreated" }] }] }"#,
+            )
+            .replace("retention = \"30d\"", "retention = \"30d\"\nrecord_until = 2026-12-01T01:00:00+01:00");
     let config = InboxConfig::from_toml(&nested).unwrap();
     let order = &config.sequences[0];
     let midnight = SystemTime::UNIX_EPOCH + Duration::from_secs(1_796_083_200); // 2026-12-01T00:00:00Z
@@ -80,34 +80,34 @@ fn nested_conditions_and_recording_parse() {
 #[test]
 fn validation_names_the_problem() {
     let one_type = r#"[[sequence]]
-        name = "s"
-        retention = "1d"
-        [[sequence.type]]
-        name = "A"
-        context_id = "json:/id""#;
+            name = "s"
+            retention = "1d"
+            [[sequence.type]]
+            name = "A"
+            context_id = "json:/id""#;
     assert!(error_of(one_type).contains("two or more"), "{}", error_of(one_type));
 
     let missing = ORDER.replace(r#"predecessor = "OrderCreated" }"#, r#"predecessor = "OrderOpened" }"#);
     assert!(error_of(&missing).contains("`OrderOpened`, which is not a message type"), "{}", error_of(&missing));
 
     let cycle = r#"[[sequence]]
-        name = "s"
-        retention = "1d"
-        [[sequence.type]]
-        name = "A"
-        context_id = "json:/id"
-        release = { predecessor = "B" }
-        [[sequence.type]]
-        name = "B"
-        context_id = "json:/id"
-        release = { any = [{ predecessor = "A" }] }"#;
+            name = "s"
+            retention = "1d"
+            [[sequence.type]]
+            name = "A"
+            context_id = "json:/id"
+            release = { predecessor = "B" }
+            [[sequence.type]]
+            name = "B"
+            context_id = "json:/id"
+            release = { any = [{ predecessor = "A" }] }"#;
     assert!(error_of(cycle).contains("circle"), "{}", error_of(cycle));
 
     let twice = format!("{ORDER}\n{}", ORDER.replace(r#"name = "order""#, r#"name = "other""#));
     assert!(error_of(&twice).contains("at most one sequence"), "{}", error_of(&twice));
 
-    let mixed = ORDER
-        .replace("name = \"OrderShipped\"\n        context_id", "name = \"OrderValidated\"\n        context_id");
+    let mixed =
+        ORDER.replace("name = \"OrderShipped\"\n        context_id", "name = \"OrderValidated\"\n        context_id");
     assert!(error_of(&mixed).contains("with sub-types and also without"), "{}", error_of(&mixed));
 
     let bad_condition = ORDER.replace(r#"release = { predecessor = "OrderCreated" }"#, "release = {}");
