@@ -30,7 +30,8 @@ ensure_postgres
 if [ -z "${IDEM_KAFKA_BROKERS:-}" ]; then
   scripts/kafka.sh up
 fi
-cargo test --workspace --all-targets "$@"
+# The property tests of the parsers of untrusted bytes run 1,024 cases each (PROPTEST_CASES raises it).
+PROPTEST_CASES="${PROPTEST_CASES:-1024}" cargo test --workspace --all-targets "$@"
 cargo test --workspace --doc
 # The examples run to their end and check their own results (order_sequence on PostgreSQL).
 cargo run --quiet -p idem --example credit
@@ -47,3 +48,7 @@ python_arg=()
 if "$venv/bin/python" -c "import psycopg" 2>/dev/null; then python_arg=(--python "$venv/bin/python"); fi
 cargo run --quiet -p idem-bench -- --quick "${python_arg[@]}" \
   --database-url "${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
+# The chaos harness at a small size: consumer processes killed at random times, backends terminated, the database
+# refusing connections, the network to it cut; after each trial an independent SQL check of the ledger.
+python3 scripts/chaos.py --idem target/debug/idem --trials "${IDEM_CHAOS_TRIALS:-6}" --seed "${IDEM_CHAOS_SEED:-1}" \
+  --postgres "${IDEM_TEST_POSTGRES:-postgres://postgres@127.0.0.1:5432}"
