@@ -51,6 +51,8 @@ pub(crate) struct Breaker {
 struct State {
     reason: Option<String>,
     streak: u32,
+    /// When the current streak's first failure was counted.
+    since: Option<Instant>,
     /// Set while tripped: until when the consumer holds.
     until: Option<Instant>,
     trips: u64,
@@ -83,11 +85,12 @@ impl Breaker {
         if state.until.is_some() {
             return (Verdict::Hold, false);
         }
-        if state.reason.as_deref() == Some(reason) {
+        if state.reason.as_deref() == Some(reason) && state.streak > 0 {
             state.streak += 1;
         } else {
             state.reason = Some(reason.to_owned());
             state.streak = 1;
+            state.since = Some(Instant::now());
         }
         if state.streak < self.settings.threshold {
             return (Verdict::DeadLetter, false);
@@ -97,15 +100,18 @@ impl Breaker {
         (Verdict::Hold, true)
     }
 
-    /// A message committed: the failures were the messages' own after all.
-    pub(crate) fn succeeded(&self) {
+    /// A message committed in a transaction that began at `began`: the failures were the messages' own after all.
+    /// A transaction that began before the streak's first failure says nothing about it (another partition's
+    /// batch committing late, say), so it resets nothing.
+    pub(crate) fn succeeded(&self, began: Instant) {
         if self.settings.threshold == 0 {
             return;
         }
         let mut state = self.state();
-        if state.streak > 0 && state.until.is_none() {
+        if state.streak > 0 && state.until.is_none() && state.since.is_none_or(|since| began >= since) {
             state.streak = 0;
             state.reason = None;
+            state.since = None;
         }
     }
 
@@ -168,9 +174,11 @@ mod tests {
         assert_eq!(breaker.failed("a").0, Verdict::DeadLetter);
         assert_eq!(breaker.failed("b").0, Verdict::DeadLetter);
         assert_eq!(breaker.failed("b").0, Verdict::DeadLetter);
-        breaker.succeeded();
+        let before = Instant::now();
+        breaker.succeeded(Instant::now());
         assert_eq!(breaker.failed("b").0, Verdict::DeadLetter);
-        assert_eq!(breaker.failed("b").0, Verdict::DeadLetter);
+        breaker.succeeded(before);
+        assert_eq!(breaker.failed("b").0, Verdict::DeadLetter, "a success that began before the streak resets nothing");
         assert_eq!(breaker.failed("b"), (Verdict::Hold, true));
         assert!(breaker.open());
         assert_eq!(breaker.failed("c"), (Verdict::Hold, false), "open: everything holds");
@@ -178,7 +186,7 @@ mod tests {
         assert!(!breaker.open());
         assert_eq!(breaker.failed("b"), (Verdict::Hold, true), "the same failure after a resume trips at once");
         breaker.resume();
-        breaker.succeeded();
+        breaker.succeeded(Instant::now());
         assert_eq!(breaker.failed("b").0, Verdict::DeadLetter);
         assert_eq!(breaker.trips(), 2);
         let off = Breaker::new(KillSwitch::off());

@@ -30,10 +30,13 @@ where
     let log = EmbeddedLog::open(&dir.0).unwrap();
     log.create_topic("payments", 2).unwrap();
     let producer = log.producer();
-    for i in 0..EVENTS {
-        producer.send("payments", None, format!(r#"{{"id":"e{i}","amount":1}}"#).as_bytes(), &[]).unwrap();
-    }
-    producer.flush().unwrap();
+    let send = |range: std::ops::Range<i64>| {
+        for i in range {
+            producer.send("payments", None, format!(r#"{{"id":"e{i}","amount":1}}"#).as_bytes(), &[]).unwrap();
+        }
+        producer.flush().unwrap();
+    };
+    send(0..EVENTS / 3);
 
     let config = common::config(20).kill_switch(KillSwitch { threshold: THRESHOLD, pause: Duration::from_secs(3600) });
     let engine = Engine::new(pool.clone(), config).unwrap();
@@ -45,8 +48,9 @@ where
     });
     wait_for("a third of the events", async || pool.scalar("SELECT COUNT(*) FROM ledger").await >= EVENTS / 3).await;
 
-    // The handler's table goes away under the consumer: every message fails with the same reason.
+    // The handler's table goes away under the consumer: every message after it fails with the same reason.
     pool.exec("ALTER TABLE ledger RENAME TO ledger_away").await;
+    send(EVENTS / 3..EVENTS);
     wait_for("the kill switch to trip", async || engine.health().paused).await;
     assert!(!engine.health().ready(), "a tripped consumer is not ready");
     assert_eq!(engine.kill_switch_trips(), 1);

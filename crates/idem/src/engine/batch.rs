@@ -93,9 +93,9 @@ impl<DB: Backend> Engine<DB> {
                         .attempt(&items[range.clone()], apply, shutdown)
                         .await?
                     {
-                        Ok(done) => {
+                        Ok((done, began)) => {
                             if done.contains(&Outcome::Processed) {
-                                self.inner.breaker.succeeded();
+                                self.inner.breaker.succeeded(began);
                             }
                             outcomes.extend(done)
                         }
@@ -161,7 +161,7 @@ impl<DB: Backend> Engine<DB> {
         items: &[Item],
         apply: &A,
         shutdown: &Shutdown,
-    ) -> Result<Result<Vec<Outcome>, Isolate>, Error> {
+    ) -> Result<Result<(Vec<Outcome>, Instant), Isolate>, Error> {
         let config = &self.inner.config;
         let retrying = Retrying { group: &config.group, what: "the batch", on_retry: &|| self.count_retry(items) };
         let result = retry(config, shutdown, &retrying, || async {
@@ -179,7 +179,7 @@ impl<DB: Backend> Engine<DB> {
                     "topic" => topic.to_owned())
                 .record(started.elapsed().as_secs_f64());
                 self.log_outcomes(items, &outcomes, started);
-                Ok(Ok(outcomes))
+                Ok(Ok((outcomes, started)))
             }
             Err(GaveUp::Exhausted { attempts, reason, at }) => Ok(Err(Isolate { at, reason, attempts })),
             Err(GaveUp::Final { attempts, failure }) => match failure {
