@@ -94,9 +94,7 @@ pub async fn list_dead_letters(
     let db = Db::open(&args.database_url, 1).await?;
     let letters = dead_letters(&db, &tables, group, matching, limit).await?;
     if json {
-        for letter in &letters {
-            println!("{}", serde_json::to_string(letter)?);
-        }
+        println!("{}", serde_json::to_string(&letters)?);
     } else if letters.is_empty() {
         println!("no dead letters");
     } else {
@@ -230,7 +228,7 @@ pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -
     let expired = with_pool!(&db, pool => idem::prune::count_expired(pool, &tables, group, retention).await?);
     if dry_run {
         if json {
-            println!("{}", serde_json::json!({ "dry_run": true, "would_delete": expired }));
+            println!("{}", serde_json::json!({ "dry_run": true, "layout": "plain", "expired": expired, "deleted": 0 }));
         } else {
             println!("{expired} marker(s) older than {retention_text} would be deleted");
         }
@@ -251,6 +249,9 @@ pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -
         println!(
             "{}",
             serde_json::json!({
+                "dry_run": false,
+                "layout": "plain",
+                "expired": expired,
                 "deleted": report.deleted,
                 "statements": report.statements,
                 "longest_statement_ms": report.longest_statement.as_secs_f64() * 1000.0,
@@ -282,9 +283,14 @@ async fn prune_partitions(
     if dry_run {
         let expired = partitions::expired(pool, tables, retention).await?;
         if json {
-            println!("{}", serde_json::json!({ "dry_run": true, "would_drop": expired }));
+            let markers: i64 = expired.iter().map(|p| p.markers).sum();
+            println!(
+                "{}",
+                serde_json::json!({ "dry_run": true, "layout": "partitioned", "expired": markers, "deleted": 0,
+                    "partitions_to_drop": expired })
+            );
         } else if expired.is_empty() {
-            println!("no partition is wholly older than {retention:?}");
+            println!("no partition is wholly older than the retention");
         } else {
             for p in &expired {
                 println!("would drop {} ({} marker(s))", p.name, p.markers);
@@ -308,18 +314,36 @@ async fn prune_partitions(
 }
 
 /// `idem markers layout`.
-pub async fn markers_layout(args: &DbArgs) -> anyhow::Result<ExitCode> {
+pub async fn markers_layout(args: &DbArgs, json: bool) -> anyhow::Result<ExitCode> {
     let tables = db::tables(args)?;
     let db = Db::open(&args.database_url, 1).await?;
-    let Db::Postgres(pool) = &db else {
-        println!("plain (SQLite has only the plain layout)");
-        return Ok(ExitCode::SUCCESS);
+    let table = tables.table("processed_events");
+    let (period, partitions) = match &db {
+        Db::Sqlite(_) => (None, Vec::new()),
+        Db::Postgres(pool) => match idem::store::partitions::stored_period(pool, &tables).await? {
+            None => (None, Vec::new()),
+            Some(period) => (Some(period), idem::store::partitions::list(pool, &tables).await?),
+        },
     };
-    match idem::store::partitions::stored_period(pool, &tables).await? {
-        None => println!("plain: {}", tables.table("processed_events")),
+    if json {
+        let partitions: Vec<_> = partitions
+            .iter()
+            .map(|(name, bound, markers)| serde_json::json!({ "name": name, "range": bound, "markers": markers }))
+            .collect();
+        let layout = if period.is_some() { "partitioned" } else { "plain" };
+        println!(
+            "{}",
+            serde_json::json!({ "table": table, "layout": layout, "period": period.map(|p| p.as_str()),
+                "partitions": partitions })
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    match period {
+        None if matches!(db, Db::Sqlite(_)) => println!("plain (SQLite has only the plain layout): {table}"),
+        None => println!("plain: {table}"),
         Some(period) => {
-            println!("partitioned by {}: {}", period.as_str(), tables.table("processed_events"));
-            for (name, bound, markers) in idem::store::partitions::list(pool, &tables).await? {
+            println!("partitioned by {}: {table}", period.as_str());
+            for (name, bound, markers) in &partitions {
                 println!("  {name}  {bound}  {markers} marker(s)");
             }
         }

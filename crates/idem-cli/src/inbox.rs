@@ -28,7 +28,7 @@ pub enum InboxCommand {
         /// At most this many.
         #[arg(long, default_value_t = 100)]
         limit: i64,
-        /// Print JSON lines instead of a table.
+        /// Print one JSON array instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -84,9 +84,7 @@ pub async fn run(command: InboxCommand) -> anyhow::Result<ExitCode> {
             let filter = admin::ListFilter { sequence, status: status.map(|s| s.to_uppercase()), stuck };
             let instances = admin::list(&pool, &tables, &filter, limit).await?;
             if json {
-                for instance in &instances {
-                    println!("{}", serde_json::to_string(instance)?);
-                }
+                println!("{}", serde_json::to_string(&instances)?);
             } else if instances.is_empty() {
                 println!("no sequence instances");
             } else {

@@ -103,6 +103,9 @@ enum MarkersCommand {
     Layout {
         #[command(flatten)]
         db: DbArgs,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// Convert the marker table, keeping every marker, in one transaction. Stop the consumers first.
     Convert {
@@ -135,7 +138,7 @@ enum DeadLetterCommand {
         /// At most this many.
         #[arg(long, default_value_t = 100)]
         limit: i64,
-        /// Print JSON lines instead of a table.
+        /// Print one JSON array instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -225,7 +228,7 @@ fn main() -> ExitCode {
             }
             Command::Inbox(command) => inbox::run(command).await,
             Command::Log(command) => embedded_log::run(command).await,
-            Command::Markers(MarkersCommand::Layout { db }) => commands::markers_layout(&db).await,
+            Command::Markers(MarkersCommand::Layout { db, json }) => commands::markers_layout(&db, json).await,
             Command::Markers(MarkersCommand::Convert { db, to, period, create_ahead }) => {
                 let period = (to == "partitioned").then_some(period);
                 commands::markers_convert(&db, period.as_deref(), create_ahead).await

@@ -127,7 +127,7 @@ fn operator_commands_on_a_kept_demo() {
 
     let (ok, out, err) = idem(&[&["dead-letters", "list", "--json"][..], &db].concat());
     assert!(ok, "{err}");
-    let letters: Vec<Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let letters: Vec<Value> = serde_json::from_str(&out).unwrap();
     assert_eq!(letters.len(), 3);
     assert!(letters.iter().any(|l| l["error"].as_str().unwrap().contains("json:/idempotencyKey")), "{out}");
     assert!(letters.iter().any(|l| l["error"].as_str().unwrap().contains("does not exist")), "{out}");

@@ -256,11 +256,35 @@ pub struct DeadLetter {
     /// Attempts made.
     pub attempts: i32,
     /// First failure, ms since the epoch.
+    #[serde(rename = "first_failed_at", serialize_with = "rfc3339")]
     pub first_failed_at_ms: i64,
     /// Last failure, ms since the epoch.
+    #[serde(rename = "last_failed_at", serialize_with = "rfc3339")]
     pub last_failed_at_ms: i64,
     /// `dead`, or `replaying` while a replay is under way.
     pub status: String,
+}
+
+/// Milliseconds since the Unix epoch as RFC 3339 in UTC (`2026-12-01T01:12:26.123Z`), the one form idem's JSON
+/// output uses for times.
+pub fn rfc3339_from_ms(ms: i64) -> String {
+    let (days, rest) = (ms.div_euclid(86_400_000), ms.rem_euclid(86_400_000));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (h, m, s, milli) = (rest / 3_600_000, rest / 60_000 % 60, rest / 1_000 % 60, rest % 1_000);
+    format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}.{milli:03}Z")
+}
+
+fn rfc3339<S: serde::Serializer>(ms: &i64, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&rfc3339_from_ms(*ms))
 }
 
 fn lossy_utf8<S: serde::Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
