@@ -219,6 +219,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         None => (std::env::temp_dir().join(format!("idem-demo-{}", std::process::id())), true),
     };
     let log_dir = dir.join("log");
+    if !args.json && !dir.exists() {
+        eprintln!("creating {}", dir.display());
+    }
     reset_dir(&dir, &log_dir)?;
     let url = match &args.database_url {
         Some(url) => url.clone(),
@@ -231,6 +234,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let seed = args.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64)
     });
+    if !args.json {
+        eprintln!("generating {} payment events (seed {seed}) and producing them…", args.events);
+    }
     let (plan, records) = generate(args.events, args.duplicates, seed);
     let transport = match &args.kafka {
         None => {
@@ -364,10 +370,20 @@ fn write_embedded(log_dir: &Path, partitions: i32, records: &[(i64, String)]) ->
     let log = EmbeddedLog::open(log_dir)?;
     log.create_topic(TOPIC, partitions)?;
     let producer = log.producer();
-    for (account, payload) in records {
+    let progress = indicatif::ProgressBar::new(records.len() as u64);
+    progress.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} producing {bar:40} {pos}/{len} records {rate}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .with_key("rate", crate::commands::rate),
+    );
+    for (n, (account, payload)) in records.iter().enumerate() {
         producer.send(TOPIC, Some(account.to_string().as_bytes()), payload.as_bytes(), &[])?;
+        if n % 4096 == 0 {
+            progress.set_position(n as u64);
+        }
     }
     producer.flush()?;
+    progress.finish_and_clear();
     Ok(())
 }
 
@@ -580,6 +596,19 @@ fn print_summary(s: &Summary, json: bool) -> anyhow::Result<()> {
 /// `idem demo-worker`: consumes the demo's events until their end (or, with `--follow`, until a signal),
 /// printing one line per commit (and, on Kafka, one per assignment).
 pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
+    // Arguments first, before anything is opened: a mistake is named at once.
+    if args.connections == 0 {
+        bail!("--connections 0: the consumer needs at least one connection per partition it consumes, plus one");
+    }
+    if args.batch_size == 0 {
+        bail!("--batch-size 0: use at least 1");
+    }
+    if let Some(setting) = args.kafka_settings.iter().find(|s| !s.contains('=')) {
+        bail!("--kafka-setting `{setting}` is not KEY=VALUE (for example session.timeout.ms=6000)");
+    }
+    if args.kafka.is_none() && !args.kafka_settings.is_empty() {
+        bail!("--kafka-setting applies to Kafka only: give --kafka BROKERS, or leave the settings out");
+    }
     let config = Config::new(args.group.clone(), KeyExtractor::JsonPointer("/idempotencyKey".into()))
         .batch_size(args.batch_size)
         .tables(Tables::new(None, PREFIX)?);
