@@ -27,24 +27,13 @@ enum Command {
 fn main() -> ExitCode {
     tracing_subscriber::fmt().with_max_level(tracing::Level::WARN).with_writer(std::io::stderr).init();
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(runtime) => runtime,
-        Err(e) => {
-            eprintln!("error: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result = runtime.block_on(async {
-        match cli.command {
-            Some(Command::Consume(args)) => bench::consume(args).await,
-            None => bench::run(cli.bench).await,
-        }
-    });
-    match result {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    idem_cli::run_to_exit(
+        async {
+            match cli.command {
+                Some(Command::Consume(args)) => bench::consume(args).await,
+                None => bench::run(cli.bench).await,
+            }
+        },
+        |_| None,
+    )
 }

@@ -279,15 +279,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn validate(args: &DemoArgs) -> anyhow::Result<()> {
-    if args.events == 0 || args.events > 100_000_000 {
-        bail!("--events {} is out of range: use 1 to 100000000", args.events);
-    }
-    if !(0.0..=50.0).contains(&args.duplicates) {
-        bail!("--duplicates {} is out of range: a percentage from 0 to 50", args.duplicates);
-    }
-    if !(1..=64).contains(&args.partitions) {
-        bail!("--partitions {} is out of range: use 1 to 64", args.partitions);
-    }
+    validate_events(args.events, args.duplicates, args.partitions)?;
     if args.batch_size == 0 || args.batch_size > 10_000 {
         bail!("--batch-size {} is out of range: use 1 to 10000", args.batch_size);
     }
@@ -638,6 +630,20 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The event counts of `demo` and `demo-produce`, checked before anything is created.
+fn validate_events(events: u64, duplicates: f64, partitions: i32) -> anyhow::Result<()> {
+    if events == 0 || events > 100_000_000 {
+        bail!("--events {events} is out of range: use 1 to 100000000");
+    }
+    if !(0.0..=50.0).contains(&duplicates) {
+        bail!("--duplicates {duplicates} is out of range: a percentage from 0 to 50");
+    }
+    if !(1..=64).contains(&partitions) {
+        bail!("--partitions {partitions} is out of range: use 1 to 64");
+    }
+    Ok(())
+}
+
 /// `idem demo-prepare`: recreates the demo's tables (for tests that drive `demo-worker` themselves).
 pub async fn prepare_only(database_url: &str) -> anyhow::Result<ExitCode> {
     let db = Db::create(database_url, 1).await?;
@@ -648,15 +654,7 @@ pub async fn prepare_only(database_url: &str) -> anyhow::Result<ExitCode> {
 /// `idem demo-produce`: writes the demo's events into a fresh embedded log (or Kafka topic) and prints the plan (what the ledger
 /// must hold once they are consumed) as one JSON line.
 pub async fn produce(args: ProduceArgs) -> anyhow::Result<ExitCode> {
-    if args.events == 0 || args.events > 100_000_000 {
-        bail!("--events {} is out of range: use 1 to 100000000", args.events);
-    }
-    if !(0.0..=50.0).contains(&args.duplicates) {
-        bail!("--duplicates {} is out of range: a percentage from 0 to 50", args.duplicates);
-    }
-    if !(1..=64).contains(&args.partitions) {
-        bail!("--partitions {} is out of range: use 1 to 64", args.partitions);
-    }
+    validate_events(args.events, args.duplicates, args.partitions)?;
     let (plan, records) = generate(args.events, args.duplicates, args.seed);
     match (&args.kafka, &args.log_dir) {
         (Some(brokers), _) => write_kafka(brokers, &args.topic, args.partitions, &records)

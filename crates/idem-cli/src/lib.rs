@@ -8,6 +8,34 @@ pub mod embedded_log;
 pub mod http;
 pub mod inbox;
 
+use std::future::Future;
+use std::process::ExitCode;
+
+/// Runs a command on a multi-threaded runtime and turns its result into the process's exit: the error chain on
+/// stderr (with `hint`'s advice, when it has some), exit status 1.
+pub fn run_to_exit(
+    command: impl Future<Output = anyhow::Result<ExitCode>>,
+    hint: fn(&anyhow::Error) -> Option<&'static str>,
+) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(command) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            if let Some(hint) = hint(&e) {
+                eprintln!("hint: {hint}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// Where the markers live: the database URL and the table names.
 #[derive(clap::Args, Clone, Debug)]
 pub struct DbArgs {

@@ -201,59 +201,45 @@ fn main() -> ExitCode {
     } else {
         logs.init();
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(runtime) => runtime,
-        Err(e) => {
-            eprintln!("error: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result = runtime.block_on(async {
-        match cli.command {
-            Command::Migrate { db } => commands::migrate(&db).await,
-            Command::Demo(args) => demo::run(args).await,
-            Command::DemoWorker(args) => demo::worker(args).await,
-            Command::DemoPrepare { database_url } => demo::prepare_only(&database_url).await,
-            Command::DemoProduce(args) => demo::produce(args).await,
-            Command::Stats { db, json } => commands::stats(&db, json).await,
-            Command::Prune { db, retention, force, group, batch_size, pause_ms, dry_run, json, create_ahead } => {
-                let pruning = idem::Pruning {
-                    batch_size,
-                    pause: std::time::Duration::from_millis(pause_ms),
-                    ..idem::Pruning::default()
-                };
-                let options =
-                    commands::PruneOptions { group: group.as_deref(), pruning, dry_run, json, create_ahead, force };
-                commands::prune(&db, &retention, &options).await
+    idem_cli::run_to_exit(
+        async {
+            match cli.command {
+                Command::Migrate { db } => commands::migrate(&db).await,
+                Command::Demo(args) => demo::run(args).await,
+                Command::DemoWorker(args) => demo::worker(args).await,
+                Command::DemoPrepare { database_url } => demo::prepare_only(&database_url).await,
+                Command::DemoProduce(args) => demo::produce(args).await,
+                Command::Stats { db, json } => commands::stats(&db, json).await,
+                Command::Prune { db, retention, force, group, batch_size, pause_ms, dry_run, json, create_ahead } => {
+                    let pruning = idem::Pruning {
+                        batch_size,
+                        pause: std::time::Duration::from_millis(pause_ms),
+                        ..idem::Pruning::default()
+                    };
+                    let options =
+                        commands::PruneOptions { group: group.as_deref(), pruning, dry_run, json, create_ahead, force };
+                    commands::prune(&db, &retention, &options).await
+                }
+                Command::Inbox(command) => inbox::run(command).await,
+                Command::Log(command) => embedded_log::run(command).await,
+                Command::Markers(MarkersCommand::Layout { db, json }) => commands::markers_layout(&db, json).await,
+                Command::Markers(MarkersCommand::Convert { db, to, period, create_ahead }) => {
+                    let period = (to == "partitioned").then_some(period);
+                    commands::markers_convert(&db, period.as_deref(), create_ahead).await
+                }
+                Command::DeadLetters(DeadLetterCommand::List { db, group, matching, limit, json }) => {
+                    commands::list_dead_letters(&db, group.as_deref(), matching.as_deref(), limit, json).await
+                }
+                Command::DeadLetters(DeadLetterCommand::Replay { db, log_dir, kafka, ids, all, group, matching }) => {
+                    let target = match (log_dir, kafka) {
+                        (_, Some(brokers)) => commands::ReplayTarget::Kafka(brokers),
+                        (Some(dir), None) => commands::ReplayTarget::Log(dir),
+                        (None, None) => return Err(anyhow::anyhow!("give --log-dir or --kafka")),
+                    };
+                    commands::replay_dead_letters(&db, &target, &ids, all, group.as_deref(), matching.as_deref()).await
+                }
             }
-            Command::Inbox(command) => inbox::run(command).await,
-            Command::Log(command) => embedded_log::run(command).await,
-            Command::Markers(MarkersCommand::Layout { db, json }) => commands::markers_layout(&db, json).await,
-            Command::Markers(MarkersCommand::Convert { db, to, period, create_ahead }) => {
-                let period = (to == "partitioned").then_some(period);
-                commands::markers_convert(&db, period.as_deref(), create_ahead).await
-            }
-            Command::DeadLetters(DeadLetterCommand::List { db, group, matching, limit, json }) => {
-                commands::list_dead_letters(&db, group.as_deref(), matching.as_deref(), limit, json).await
-            }
-            Command::DeadLetters(DeadLetterCommand::Replay { db, log_dir, kafka, ids, all, group, matching }) => {
-                let target = match (log_dir, kafka) {
-                    (_, Some(brokers)) => commands::ReplayTarget::Kafka(brokers),
-                    (Some(dir), None) => commands::ReplayTarget::Log(dir),
-                    (None, None) => return Err(anyhow::anyhow!("give --log-dir or --kafka")),
-                };
-                commands::replay_dead_letters(&db, &target, &ids, all, group.as_deref(), matching.as_deref()).await
-            }
-        }
-    });
-    match result {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            if let Some(hint) = hint(&e) {
-                eprintln!("hint: {hint}");
-            }
-            ExitCode::FAILURE
-        }
-    }
+        },
+        hint,
+    )
 }
