@@ -60,7 +60,8 @@ struct Inner<DB: Backend> {
     partitions: AtomicU64,
     faults: Faults,
     breaker: Breaker,
-    on_commit: Option<CommitObserver>,
+    /// Shared by every clone.
+    on_commit: std::sync::RwLock<Option<CommitObserver>>,
     /// When the marker table's layout was last checked against the configuration (and partitions created ahead).
     layout_checked: tokio::sync::Mutex<Option<Instant>>,
 }
@@ -82,18 +83,18 @@ impl<DB: Backend> Engine<DB> {
                 partitions: AtomicU64::new(0),
                 faults,
                 breaker,
-                on_commit: None,
+                on_commit: std::sync::RwLock::new(None),
                 layout_checked: tokio::sync::Mutex::new(None),
             }),
         })
     }
 
-    /// Calls `observer` after every `COMMIT`, before the acknowledgement (progress reporting, tests).
-    /// Must be set before the engine is cloned or run.
-    pub fn on_commit(mut self, observer: impl Fn(&Committed) + Send + Sync + 'static) -> Self {
-        if let Some(inner) = Arc::get_mut(&mut self.inner) {
-            inner.on_commit = Some(Arc::new(observer));
-        }
+    /// Calls `observer` after every `COMMIT`, before the acknowledgement (progress reporting, tests), in place of
+    /// any observer set before. Every clone of the engine shares it, whenever it is set.
+    pub fn on_commit(self, observer: impl Fn(&Committed) + Send + Sync + 'static) -> Self {
+        let mut slot = self.inner.on_commit.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *slot = Some(Arc::new(observer));
+        drop(slot);
         self
     }
 

@@ -146,7 +146,8 @@ impl<DB: Backend> Engine<DB> {
                 .increment(n);
             }
         }
-        if let Some(observer) = &self.inner.on_commit {
+        let observer = self.inner.on_commit.read().ok().and_then(|slot| slot.clone());
+        if let Some(observer) = observer {
             observer(&report);
         }
     }

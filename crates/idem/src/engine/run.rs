@@ -139,7 +139,7 @@ impl Worker {
     async fn finish(self) -> Result<(), Error> {
         drop(self.queue);
         self.task.await.map_err(|join| {
-            Error::Config(format!("a partition worker panicked (a bug in a handler or in idem): {join}"))
+            Error::Worker(format!("a partition worker panicked (a bug in a handler or in idem): {join}"))
         })
     }
 }
