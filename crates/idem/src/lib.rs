@@ -42,7 +42,8 @@
 //! * [`handler`]: the traits user code implements ([`Handler`], [`BatchHandler`]).
 //! * [`message`] and [`key`]: the broker-neutral [`Message`], the [`Event`] a handler sees, and where its
 //!   idempotency key comes from ([`KeyExtractor`]).
-//! * [`store`]: the database seam ([`Backend`]) with its PostgreSQL and SQLite modules and migrations.
+//! * [`store`]: the database seam by capability ([`Store`], the hot path; [`Operations`], the tooling; the
+//!   partitioned layout in `store::partitions`, PostgreSQL only) with its PostgreSQL and SQLite modules.
 //! * [`source`]: the broker seam ([`Source`], [`Publisher`]) and its contract; [`embedded`]: the embedded log, [`kafka`] (feature `kafka`): Kafka.
 //! * [`inbox`]: the Sequential Inbox (PostgreSQL): per-context ordering with buffering and a concurrent-safe claim.
 //! * [`gap`]: lost-event detection from producer sequence numbers.
@@ -83,7 +84,7 @@ pub use source::{Acknowledgement, Publisher, Received, Source, SourceError};
 /// The sqlx version idem is built with; handlers use its `PgConnection` and `SqliteConnection`.
 pub use sqlx;
 pub use sqlx::{Postgres, Sqlite};
-pub use store::{Backend, Tables, postgres, sqlite};
+pub use store::{Backend, Operations, Store, Tables, postgres, sqlite};
 
 /// Applies the missing migrations of `pool`'s database for `tables`; safe to run twice and from two processes.
 pub async fn migrate<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables) -> Result<store::MigrationReport, Error> {

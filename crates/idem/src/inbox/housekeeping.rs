@@ -15,7 +15,7 @@ use crate::engine::End;
 use crate::error::Error;
 use crate::handler::Handler;
 use crate::message::Message;
-use crate::store::{Backend, NewDeadLetter, decode_headers};
+use crate::store::{NewDeadLetter, Store, decode_headers};
 
 /// What one housekeeping pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]

@@ -14,7 +14,7 @@ use crate::engine::{End, Engine, Failed, GaveUp, PerMessageRef, Process, Retryin
 use crate::error::{Error, HandlerError, Retry, classify};
 use crate::handler::Handler;
 use crate::message::{Event, Message};
-use crate::store::{Backend, NewDeadLetter};
+use crate::store::{NewDeadLetter, Store};
 
 /// The inbox as a partition worker's processing step.
 pub(crate) struct InboxProcess<H> {

@@ -19,21 +19,21 @@ use crate::config::MarkerLayout;
 use crate::error::Error;
 use crate::message::{Event, Message};
 
-/// A database idem can keep markers in: implemented for [`sqlx::Postgres`] and [`sqlx::Sqlite`].
+/// The hot path every store implements: what a consumer needs of its database (migrate, claim markers, write a
+/// dead letter, check a transaction before `COMMIT`). Implemented for [`sqlx::Postgres`] and [`sqlx::Sqlite`];
+/// a new store is one module implementing this and [`Operations`], with its SQL.
 ///
 /// Handlers receive `&mut <DB as sqlx::Database>::Connection` (a `PgConnection` or `SqliteConnection`) with the
 /// transaction already open; every write through it commits or rolls back together with the marker.
-pub trait Backend: sqlx::Database + Sized {
+pub trait Store: sqlx::Database + Sized {
     /// `postgres` or `sqlite`, for logs and errors.
     const NAME: &'static str;
 
     /// The migrations of this backend, in version order.
     fn migrations() -> &'static [Migration];
-
     /// Applies the missing migrations under a lock, so that two processes migrating at once are safe.
     fn migrate(pool: &sqlx::Pool<Self>, tables: &Tables)
     -> impl Future<Output = Result<MigrationReport, Error>> + Send;
-
     /// Inserts the markers of `events` (with a digest of each payload) in the open transaction, first statement
     /// of the batch, and returns for each event whether its marker is new (handle it), already there with the
     /// same payload (a duplicate), or already there with another payload (a reused id). A marker held by a
@@ -46,27 +46,9 @@ pub trait Backend: sqlx::Database + Sized {
         group: &str,
         events: &[&Event],
     ) -> impl Future<Output = Result<Vec<Claim>, sqlx::Error>> + Send;
-
-    /// Refuses to consume when the marker table's layout in the database is not the configured one; in the
-    /// partitioned layout, also creates the partitions of the current period and those ahead.
-    fn prepare_layout(
-        pool: &sqlx::Pool<Self>,
-        tables: &Tables,
-        layout: &MarkerLayout,
-    ) -> impl Future<Output = Result<(), Error>> + Send;
-
-    /// Drops the partitions of the partitioned layout whose whole range is past `retention`; returns their
-    /// names and the markers that went with them. PostgreSQL only.
-    fn drop_expired_partitions(
-        pool: &sqlx::Pool<Self>,
-        tables: &Tables,
-        retention: std::time::Duration,
-    ) -> impl Future<Output = Result<(Vec<String>, u64), Error>> + Send;
-
     /// Whether the open transaction can still commit what it holds: `Ok(false)` when the handler ended it
     /// itself, an error when it is aborted (PostgreSQL then turns `COMMIT` into a silent `ROLLBACK`).
     fn transaction_intact(conn: &mut Self::Connection) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
-
     /// Records a dead letter in the open transaction; a second failure of the same event updates its row.
     fn dead_letter(
         conn: &mut Self::Connection,
@@ -75,13 +57,44 @@ pub trait Backend: sqlx::Database + Sized {
         letter: &NewDeadLetter<'_>,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
+    /// Refuses to consume when the marker table's layout in the database is not the configured one; a store with
+    /// the partitioned layout (PostgreSQL, see [`partitions`]) also creates the partitions of the current period
+    /// and those ahead. A store without it keeps this default: the plain layout only.
+    fn prepare_layout(
+        _pool: &sqlx::Pool<Self>,
+        _tables: &Tables,
+        layout: &MarkerLayout,
+    ) -> impl Future<Output = Result<(), Error>> + Send {
+        let result = match layout {
+            MarkerLayout::Plain => Ok(()),
+            MarkerLayout::Partitioned(_) => Err(Error::Config(format!(
+                "layout: partitioned markers need PostgreSQL; on {} use the plain layout (the default)",
+                <Self as Store>::NAME
+            ))),
+        };
+        std::future::ready(result)
+    }
+
+    /// Drops the partitions of the partitioned layout whose whole range is past `retention`; returns their names
+    /// and the markers that went with them. Only called when [`Store::prepare_layout`] accepted a partitioned
+    /// layout; a store without it never is.
+    fn drop_expired_partitions(
+        _pool: &sqlx::Pool<Self>,
+        _tables: &Tables,
+        _retention: std::time::Duration,
+    ) -> impl Future<Output = Result<(Vec<String>, u64), Error>> + Send {
+        std::future::ready(Ok((Vec::new(), 0)))
+    }
+}
+
+/// The operator's tooling over a store: figures, dead letters and their replay, pruning.
+pub trait Operations: Store {
     /// Marker and dead-letter figures per consumer group (of `group` only, when given).
     fn stats(
         pool: &sqlx::Pool<Self>,
         tables: &Tables,
         group: Option<&str>,
     ) -> impl Future<Output = Result<Vec<GroupStats>, Error>> + Send;
-
     /// Dead letters, oldest first, optionally of one group only.
     fn dead_letters(
         pool: &sqlx::Pool<Self>,
@@ -89,7 +102,6 @@ pub trait Backend: sqlx::Database + Sized {
         group: Option<&str>,
         limit: i64,
     ) -> impl Future<Output = Result<Vec<DeadLetter>, Error>> + Send;
-
     /// First step of a replay, in one transaction: deletes the event's marker and marks the row `replaying`.
     /// Returns false when the row is gone or not in a state that can be replayed.
     fn begin_replay(
@@ -97,7 +109,6 @@ pub trait Backend: sqlx::Database + Sized {
         tables: &Tables,
         id: i64,
     ) -> impl Future<Output = Result<bool, Error>> + Send;
-
     /// Deletes at most `limit` markers older than `older_than` (of `group`, or of every group) in one statement
     /// (PostgreSQL: by `ctid`; SQLite: by `rowid`) and returns how many went.
     fn prune_batch(
@@ -107,7 +118,6 @@ pub trait Backend: sqlx::Database + Sized {
         older_than: std::time::Duration,
         limit: u32,
     ) -> impl Future<Output = Result<u64, Error>> + Send;
-
     /// Counts the markers older than `older_than` (of `group`, or of every group): what a prune would delete.
     fn count_expired(
         pool: &sqlx::Pool<Self>,
@@ -115,7 +125,6 @@ pub trait Backend: sqlx::Database + Sized {
         group: Option<&str>,
         older_than: std::time::Duration,
     ) -> impl Future<Output = Result<i64, Error>> + Send;
-
     /// Last step of a replay: deletes the row if it is still `replaying` (a new failure would have set it back
     /// to `dead`, and then the row stays).
     fn finish_replay(
@@ -123,6 +132,16 @@ pub trait Backend: sqlx::Database + Sized {
         tables: &Tables,
         id: i64,
     ) -> impl Future<Output = Result<(), Error>> + Send;
+}
+
+/// A store idem consumes into and operates on: [`Store`] and [`Operations`] together.
+pub trait Backend: Store + Operations {
+    /// `postgres` or `sqlite` ([`Store::NAME`]).
+    const NAME: &'static str;
+}
+
+impl<DB: Store + Operations> Backend for DB {
+    const NAME: &'static str = <DB as Store>::NAME;
 }
 
 /// The result of claiming one event's marker.

@@ -8,8 +8,8 @@ use sqlx::{Connection, PgConnection, Postgres, Row};
 use super::migrate::{lock_key, pending, split_statements};
 use super::partitions;
 use super::{
-    Backend, Claim, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Tables, decode_headers,
-    encode_headers, judge_existing, payload_digest,
+    Claim, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
+    decode_headers, encode_headers, judge_existing, payload_digest,
 };
 use crate::config::MarkerLayout;
 use crate::error::Error;
@@ -25,7 +25,7 @@ static MIGRATIONS: [Migration; 4] = [
 /// A stored marker as the reuse check reads it: event id, payload digest, topic, partition, offset.
 type StoredMarker = (String, Option<Vec<u8>>, String, i32, i64);
 
-impl Backend for Postgres {
+impl Store for Postgres {
     const NAME: &'static str = "postgres";
 
     fn migrations() -> &'static [Migration] {
@@ -223,7 +223,9 @@ impl Backend for Postgres {
             .await?;
         Ok(())
     }
+}
 
+impl Operations for Postgres {
     async fn stats(pool: &sqlx::PgPool, tables: &Tables, group: Option<&str>) -> Result<Vec<GroupStats>, Error> {
         let sql = tables.render(
             r#"WITH m AS (SELECT consumer_group, count(*) AS markers,

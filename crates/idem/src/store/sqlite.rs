@@ -5,8 +5,8 @@ use sqlx::{Connection, Row, Sqlite, SqliteConnection};
 
 use super::migrate::{pending, split_statements};
 use super::{
-    Backend, Claim, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Tables, decode_headers,
-    encode_headers, judge_existing, payload_digest,
+    Claim, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
+    decode_headers, encode_headers, judge_existing, payload_digest,
 };
 use crate::config::MarkerLayout;
 use crate::error::Error;
@@ -18,7 +18,7 @@ static MIGRATIONS: [Migration; 3] = [
     Migration { version: 3, name: "payload_digest", sql: include_str!("sql/sqlite/0003_payload_digest.sql") },
 ];
 
-impl Backend for Sqlite {
+impl Store for Sqlite {
     const NAME: &'static str = "sqlite";
 
     fn migrations() -> &'static [Migration] {
@@ -57,21 +57,6 @@ impl Backend for Sqlite {
         }
         tx.commit().await?;
         Ok(MigrationReport { applied: todo.iter().map(|m| m.version).collect(), version: MIGRATIONS.len() as i32 })
-    }
-
-    async fn prepare_layout(_pool: &sqlx::SqlitePool, _tables: &Tables, layout: &MarkerLayout) -> Result<(), Error> {
-        match layout {
-            MarkerLayout::Plain => Ok(()),
-            MarkerLayout::Partitioned(_) => Err(partitions_unsupported()),
-        }
-    }
-
-    async fn drop_expired_partitions(
-        _pool: &sqlx::SqlitePool,
-        _tables: &Tables,
-        _retention: std::time::Duration,
-    ) -> Result<(Vec<String>, u64), Error> {
-        Err(partitions_unsupported())
     }
 
     async fn claim(
@@ -159,7 +144,9 @@ impl Backend for Sqlite {
             .await?;
         Ok(())
     }
+}
 
+impl Operations for Sqlite {
     async fn stats(pool: &sqlx::SqlitePool, tables: &Tables, group: Option<&str>) -> Result<Vec<GroupStats>, Error> {
         let sql = tables.render(
             r#"WITH m AS (SELECT consumer_group, count(*) AS markers,
@@ -314,8 +301,4 @@ async fn open(url: &str, create: bool) -> Result<sqlx::SqlitePool, Error> {
         .busy_timeout(std::time::Duration::from_secs(30))
         .foreign_keys(true);
     Ok(sqlx::sqlite::SqlitePoolOptions::new().max_connections(4).connect_with(options).await?)
-}
-
-fn partitions_unsupported() -> Error {
-    Error::Config("layout: partitioned markers need PostgreSQL; on SQLite use the plain layout (the default)".into())
 }
