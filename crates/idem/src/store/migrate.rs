@@ -5,6 +5,7 @@
 //! and refuses a database whose applied migrations were edited or come from a newer idem.
 
 use crate::error::Error;
+use crate::store::Tables;
 
 /// One embedded migration.
 #[derive(Debug, Clone, Copy)]
@@ -68,6 +69,44 @@ pub(crate) fn split_statements(sql: &str) -> Vec<&str> {
         .map(|s| s.trim_end_matches(';'))
         .filter(|s| s.lines().any(|l| !l.trim().is_empty() && !l.trim_start().starts_with("--")))
         .collect()
+}
+
+/// Applies the pending `migrations` in the open transaction `tx` (the caller holds its store's migration lock):
+/// creates the ledger with `ledger_columns` if missing, checks what was applied against [`pending`], runs each
+/// pending migration's statements and records it. Returns the report; the caller commits.
+pub(crate) async fn apply<DB>(
+    tx: &mut DB::Connection,
+    tables: &Tables,
+    migrations: &'static [Migration],
+    ledger_columns: &str,
+) -> Result<MigrationReport, Error>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+    i32: sqlx::Type<DB> + for<'q> sqlx::Encode<'q, DB>,
+    i64: sqlx::Type<DB> + for<'q> sqlx::Encode<'q, DB>,
+    for<'a> &'a str: sqlx::Type<DB> + sqlx::Encode<'a, DB>,
+    (i32, i64): for<'r> sqlx::FromRow<'r, DB::Row>,
+{
+    let ledger = tables.table("idem_migrations");
+    sqlx::query(&format!("CREATE TABLE IF NOT EXISTS {ledger} ({ledger_columns})")).execute(&mut *tx).await?;
+    let applied: Vec<(i32, i64)> =
+        sqlx::query_as(&format!("SELECT version, checksum FROM {ledger}")).fetch_all(&mut *tx).await?;
+    let todo = pending(migrations, &applied)?;
+    for m in &todo {
+        let sql = tables.render(m.sql);
+        for statement in split_statements(&sql) {
+            sqlx::query(statement).execute(&mut *tx).await?;
+        }
+        sqlx::query(&format!("INSERT INTO {ledger} (version, name, checksum) VALUES ($1, $2, $3)"))
+            .bind(m.version)
+            .bind(m.name)
+            .bind(m.checksum())
+            .execute(&mut *tx)
+            .await?;
+    }
+    Ok(MigrationReport { applied: todo.iter().map(|m| m.version).collect(), version: migrations.len() as i32 })
 }
 
 #[cfg(test)]

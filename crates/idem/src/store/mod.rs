@@ -9,6 +9,7 @@ pub(crate) mod connect;
 mod migrate;
 pub mod partitions;
 pub mod postgres;
+mod replay;
 pub mod sqlite;
 
 use std::future::Future;
@@ -282,6 +283,38 @@ pub struct DeadLetter {
     pub last_failed_at_ms: i64,
     /// `dead`, or `replaying` while a replay is under way.
     pub status: String,
+}
+
+/// A dead letter from a row of either store, columns in the field order (times as epoch milliseconds): the one
+/// row mapping, whatever the database.
+impl<'r, R: sqlx::Row> sqlx::FromRow<'r, R> for DeadLetter
+where
+    usize: sqlx::ColumnIndex<R>,
+    i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    Option<Vec<u8>>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    fn from_row(row: &'r R) -> Result<Self, sqlx::Error> {
+        Ok(DeadLetter {
+            id: row.try_get(0)?,
+            consumer_group: row.try_get(1)?,
+            event_id: row.try_get(2)?,
+            topic: row.try_get(3)?,
+            partition: row.try_get(4)?,
+            offset: row.try_get(5)?,
+            key: row.try_get(6)?,
+            payload: row.try_get(7)?,
+            headers: decode_headers(&row.try_get::<String, _>(8)?),
+            error: row.try_get(9)?,
+            attempts: row.try_get(10)?,
+            first_failed_at_ms: row.try_get(11)?,
+            last_failed_at_ms: row.try_get(12)?,
+            status: row.try_get(13)?,
+        })
+    }
 }
 
 /// Milliseconds since the Unix epoch as RFC 3339 in UTC (`2026-12-01T01:12:26.123Z`), the one form idem's JSON

@@ -5,11 +5,11 @@ use std::collections::HashSet;
 
 use sqlx::{Connection, PgConnection, Postgres, Row};
 
-use super::migrate::{lock_key, pending, split_statements};
+use super::migrate::lock_key;
 use super::partitions;
 use super::{
     Claim, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
-    decode_headers, encode_headers, judge_existing, payload_digest,
+    encode_headers, judge_existing, payload_digest,
 };
 use crate::config::MarkerLayout;
 use crate::error::Error;
@@ -40,29 +40,11 @@ impl Store for Postgres {
             let create = format!("CREATE SCHEMA IF NOT EXISTS {schema}");
             sqlx::query(&create).execute(&mut *tx).await?;
         }
-        let ledger = tables.table("idem_migrations");
-        let create_ledger = format!(
-            "CREATE TABLE IF NOT EXISTS {ledger} (version int PRIMARY KEY, name text NOT NULL, \
-             checksum bigint NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
-        );
-        sqlx::query(&create_ledger).execute(&mut *tx).await?;
-        let applied: Vec<(i32, i64)> =
-            sqlx::query_as(&format!("SELECT version, checksum FROM {ledger}")).fetch_all(&mut *tx).await?;
-        let todo = pending(&MIGRATIONS, &applied)?;
-        for m in &todo {
-            let sql = tables.render(m.sql);
-            for statement in split_statements(&sql) {
-                sqlx::query(statement).execute(&mut *tx).await?;
-            }
-            sqlx::query(&format!("INSERT INTO {ledger} (version, name, checksum) VALUES ($1, $2, $3)"))
-                .bind(m.version)
-                .bind(m.name)
-                .bind(m.checksum())
-                .execute(&mut *tx)
-                .await?;
-        }
+        let columns = "version int PRIMARY KEY, name text NOT NULL, checksum bigint NOT NULL, \
+                       applied_at timestamptz NOT NULL DEFAULT now()";
+        let report = super::migrate::apply::<Postgres>(&mut tx, tables, &MIGRATIONS, columns).await?;
         tx.commit().await?;
-        Ok(MigrationReport { applied: todo.iter().map(|m| m.version).collect(), version: MIGRATIONS.len() as i32 })
+        Ok(report)
     }
 
     async fn prepare_layout(pool: &sqlx::PgPool, tables: &Tables, layout: &MarkerLayout) -> Result<(), Error> {
@@ -259,30 +241,11 @@ impl Operations for Postgres {
                       (EXTRACT(EPOCH FROM last_failed_at) * 1000)::bigint, status
                  FROM {t}dead_letters WHERE $1::text IS NULL OR consumer_group = $1 ORDER BY id LIMIT $2"#,
         );
-        let rows = sqlx::query(&sql).bind(group).bind(limit).fetch_all(pool).await?;
-        rows.iter().map(dead_letter_from_row).collect::<Result<_, sqlx::Error>>().map_err(Error::from)
+        Ok(sqlx::query_as(&sql).bind(group).bind(limit).fetch_all(pool).await?)
     }
 
     async fn begin_replay(pool: &sqlx::PgPool, tables: &Tables, id: i64) -> Result<bool, Error> {
-        let mut tx = pool.begin().await?;
-        let row: Option<(String, Option<String>)> = sqlx::query_as(&tables.render(
-            "UPDATE {t}dead_letters SET status = 'replaying' WHERE id = $1 RETURNING consumer_group, event_id",
-        ))
-        .bind(id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some((group, event_id)) = row else {
-            return Ok(false);
-        };
-        if let Some(event_id) = event_id {
-            sqlx::query(&tables.render("DELETE FROM {t}processed_events WHERE consumer_group = $1 AND event_id = $2"))
-                .bind(group)
-                .bind(event_id)
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        Ok(true)
+        super::replay::begin(pool, tables, id, "BEGIN").await
     }
 
     async fn prune_batch(
@@ -318,11 +281,7 @@ impl Operations for Postgres {
     }
 
     async fn finish_replay(pool: &sqlx::PgPool, tables: &Tables, id: i64) -> Result<(), Error> {
-        sqlx::query(&tables.render("DELETE FROM {t}dead_letters WHERE id = $1 AND status = 'replaying'"))
-            .bind(id)
-            .execute(pool)
-            .await?;
-        Ok(())
+        super::replay::finish(pool, tables, id).await
     }
 }
 
@@ -350,25 +309,6 @@ async fn lock_near_boundary(
     .execute(conn)
     .await?;
     Ok(())
-}
-
-fn dead_letter_from_row(row: &sqlx::postgres::PgRow) -> Result<DeadLetter, sqlx::Error> {
-    Ok(DeadLetter {
-        id: row.try_get(0)?,
-        consumer_group: row.try_get(1)?,
-        event_id: row.try_get(2)?,
-        topic: row.try_get(3)?,
-        partition: row.try_get(4)?,
-        offset: row.try_get(5)?,
-        key: row.try_get(6)?,
-        payload: row.try_get(7)?,
-        headers: decode_headers(&row.try_get::<String, _>(8)?),
-        error: row.try_get(9)?,
-        attempts: row.try_get(10)?,
-        first_failed_at_ms: row.try_get(11)?,
-        last_failed_at_ms: row.try_get(12)?,
-        status: row.try_get(13)?,
-    })
 }
 
 /// Connects to PostgreSQL with a pool of `max_connections` (at least one per partition consumed at once, plus

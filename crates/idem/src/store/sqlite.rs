@@ -1,12 +1,11 @@
 //! SQLite: the embedded default. Markers are claimed row by row (no round trips in-process); a database file is
 //! opened in WAL mode with a busy timeout, so a second writer waits instead of failing.
 
-use sqlx::{Connection, Row, Sqlite, SqliteConnection};
+use sqlx::{Connection, Sqlite, SqliteConnection};
 
-use super::migrate::{pending, split_statements};
 use super::{
     Claim, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
-    decode_headers, encode_headers, judge_existing, payload_digest,
+    encode_headers, judge_existing, payload_digest,
 };
 use crate::config::MarkerLayout;
 use crate::error::Error;
@@ -34,29 +33,11 @@ impl Store for Sqlite {
         let mut conn = pool.acquire().await?;
         // BEGIN IMMEDIATE takes the write lock up front: a second migrating process waits here.
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-        let ledger = tables.table("idem_migrations");
-        let create_ledger = format!(
-            "CREATE TABLE IF NOT EXISTS {ledger} (version INTEGER PRIMARY KEY, name TEXT NOT NULL, \
-             checksum INTEGER NOT NULL, applied_at INTEGER NOT NULL DEFAULT (unixepoch()))"
-        );
-        sqlx::query(&create_ledger).execute(&mut *tx).await?;
-        let applied: Vec<(i32, i64)> =
-            sqlx::query_as(&format!("SELECT version, checksum FROM {ledger}")).fetch_all(&mut *tx).await?;
-        let todo = pending(&MIGRATIONS, &applied)?;
-        for m in &todo {
-            let sql = tables.render(m.sql);
-            for statement in split_statements(&sql) {
-                sqlx::query(statement).execute(&mut *tx).await?;
-            }
-            sqlx::query(&format!("INSERT INTO {ledger} (version, name, checksum) VALUES ($1, $2, $3)"))
-                .bind(m.version)
-                .bind(m.name)
-                .bind(m.checksum())
-                .execute(&mut *tx)
-                .await?;
-        }
+        let columns = "version INTEGER PRIMARY KEY, name TEXT NOT NULL, checksum INTEGER NOT NULL, \
+                       applied_at INTEGER NOT NULL DEFAULT (unixepoch())";
+        let report = super::migrate::apply::<Sqlite>(&mut tx, tables, &MIGRATIONS, columns).await?;
         tx.commit().await?;
-        Ok(MigrationReport { applied: todo.iter().map(|m| m.version).collect(), version: MIGRATIONS.len() as i32 })
+        Ok(report)
     }
 
     async fn claim(
@@ -181,31 +162,11 @@ impl Operations for Sqlite {
                       first_failed_at, last_failed_at, status
                  FROM {t}dead_letters WHERE $1 IS NULL OR consumer_group = $1 ORDER BY id LIMIT $2"#,
         );
-        let rows = sqlx::query(&sql).bind(group).bind(limit).fetch_all(pool).await?;
-        rows.iter().map(dead_letter_from_row).collect::<Result<_, sqlx::Error>>().map_err(Error::from)
+        Ok(sqlx::query_as(&sql).bind(group).bind(limit).fetch_all(pool).await?)
     }
 
     async fn begin_replay(pool: &sqlx::SqlitePool, tables: &Tables, id: i64) -> Result<bool, Error> {
-        let mut conn = pool.acquire().await?;
-        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-        let row: Option<(String, Option<String>)> = sqlx::query_as(&tables.render(
-            "UPDATE {t}dead_letters SET status = 'replaying' WHERE id = $1 RETURNING consumer_group, event_id",
-        ))
-        .bind(id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some((group, event_id)) = row else {
-            return Ok(false);
-        };
-        if let Some(event_id) = event_id {
-            sqlx::query(&tables.render("DELETE FROM {t}processed_events WHERE consumer_group = $1 AND event_id = $2"))
-                .bind(group)
-                .bind(event_id)
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        Ok(true)
+        super::replay::begin(pool, tables, id, "BEGIN IMMEDIATE").await
     }
 
     async fn prune_batch(
@@ -242,31 +203,8 @@ impl Operations for Sqlite {
     }
 
     async fn finish_replay(pool: &sqlx::SqlitePool, tables: &Tables, id: i64) -> Result<(), Error> {
-        sqlx::query(&tables.render("DELETE FROM {t}dead_letters WHERE id = $1 AND status = 'replaying'"))
-            .bind(id)
-            .execute(pool)
-            .await?;
-        Ok(())
+        super::replay::finish(pool, tables, id).await
     }
-}
-
-fn dead_letter_from_row(row: &sqlx::sqlite::SqliteRow) -> Result<DeadLetter, sqlx::Error> {
-    Ok(DeadLetter {
-        id: row.try_get(0)?,
-        consumer_group: row.try_get(1)?,
-        event_id: row.try_get(2)?,
-        topic: row.try_get(3)?,
-        partition: row.try_get(4)?,
-        offset: row.try_get(5)?,
-        key: row.try_get(6)?,
-        payload: row.try_get(7)?,
-        headers: decode_headers(&row.try_get::<String, _>(8)?),
-        error: row.try_get(9)?,
-        attempts: row.try_get(10)?,
-        first_failed_at_ms: row.try_get(11)?,
-        last_failed_at_ms: row.try_get(12)?,
-        status: row.try_get(13)?,
-    })
 }
 
 /// Opens (creating if missing) a SQLite database for idem: WAL journal, `synchronous = FULL` (a committed
