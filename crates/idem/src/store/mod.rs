@@ -6,6 +6,7 @@
 //! schema-qualified) table prefix and `{p}` for the bare prefix used in index names.
 
 pub(crate) mod connect;
+mod dead_letter_row;
 mod migrate;
 pub mod partitions;
 pub mod postgres;

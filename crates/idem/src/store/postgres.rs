@@ -9,7 +9,7 @@ use super::migrate::lock_key;
 use super::partitions;
 use super::{
     Claim, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
-    encode_headers, judge_existing, payload_digest,
+    judge_existing, payload_digest,
 };
 use crate::config::MarkerLayout;
 use crate::error::Error;
@@ -174,36 +174,7 @@ impl Store for Postgres {
         group: &str,
         letter: &NewDeadLetter<'_>,
     ) -> Result<(), sqlx::Error> {
-        let conflict = if letter.event_id.is_some() {
-            "(consumer_group, event_id)"
-        } else {
-            r#"(consumer_group, topic, partition, "offset") WHERE event_id IS NULL"#
-        };
-        let sql = tables.render(&format!(
-            r#"INSERT INTO {{t}}dead_letters AS d
-                 (consumer_group, event_id, topic, partition, "offset", key, payload, headers, error, attempts)
-               VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-               ON CONFLICT {conflict} DO UPDATE SET
-                 topic = excluded.topic, partition = excluded.partition, "offset" = excluded."offset",
-                 key = excluded.key, payload = excluded.payload, headers = excluded.headers,
-                 error = excluded.error, attempts = d.attempts + excluded.attempts,
-                 last_failed_at = now(), status = 'dead'"#
-        ));
-        let m = letter.message;
-        sqlx::query(&sql)
-            .bind(group)
-            .bind(letter.event_id)
-            .bind(&m.topic)
-            .bind(m.partition)
-            .bind(m.offset)
-            .bind(m.key.as_deref())
-            .bind(&m.payload)
-            .bind(encode_headers(&m.headers))
-            .bind(letter.error.replace('\0', "\\0"))
-            .bind(letter.attempts)
-            .execute(conn)
-            .await?;
-        Ok(())
+        super::dead_letter_row::write::<Postgres>(conn, tables, group, letter, "now()").await
     }
 }
 
