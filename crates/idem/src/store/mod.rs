@@ -318,6 +318,24 @@ where
     }
 }
 
+/// A group's figures from a row of either store: group, markers, oldest marker's age in seconds, dead letters.
+impl<'r, R: sqlx::Row> sqlx::FromRow<'r, R> for GroupStats
+where
+    usize: sqlx::ColumnIndex<R>,
+    i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    Option<f64>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    fn from_row(row: &'r R) -> Result<Self, sqlx::Error> {
+        Ok(GroupStats {
+            consumer_group: row.try_get(0)?,
+            markers: row.try_get(1)?,
+            oldest_marker_age_seconds: row.try_get(2)?,
+            dead_letters: row.try_get(3)?,
+        })
+    }
+}
+
 /// Milliseconds since the Unix epoch as RFC 3339 in UTC (`2026-12-01T01:12:26.123Z`), the one form idem's JSON
 /// output uses for times.
 pub fn rfc3339_from_ms(ms: i64) -> String {

@@ -188,16 +188,7 @@ impl Operations for Postgres {
                SELECT coalesce(m.consumer_group, d.consumer_group), coalesce(m.markers, 0), m.oldest, coalesce(d.dead, 0)
                  FROM m FULL JOIN d ON m.consumer_group = d.consumer_group ORDER BY 1"#,
         );
-        let rows: Vec<(String, i64, Option<f64>, i64)> = sqlx::query_as(&sql).bind(group).fetch_all(pool).await?;
-        Ok(rows
-            .into_iter()
-            .map(|(consumer_group, markers, oldest_marker_age_seconds, dead_letters)| GroupStats {
-                consumer_group,
-                markers,
-                oldest_marker_age_seconds,
-                dead_letters,
-            })
-            .collect())
+        Ok(sqlx::query_as(&sql).bind(group).fetch_all(pool).await?)
     }
 
     async fn dead_letters(

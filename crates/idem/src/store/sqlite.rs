@@ -117,16 +117,7 @@ impl Operations for Sqlite {
                  FROM g LEFT JOIN m ON m.consumer_group = g.consumer_group
                         LEFT JOIN d ON d.consumer_group = g.consumer_group ORDER BY 1"#,
         );
-        let rows: Vec<(String, i64, Option<f64>, i64)> = sqlx::query_as(&sql).bind(group).fetch_all(pool).await?;
-        Ok(rows
-            .into_iter()
-            .map(|(consumer_group, markers, oldest_marker_age_seconds, dead_letters)| GroupStats {
-                consumer_group,
-                markers,
-                oldest_marker_age_seconds,
-                dead_letters,
-            })
-            .collect())
+        Ok(sqlx::query_as(&sql).bind(group).fetch_all(pool).await?)
     }
 
     async fn dead_letters(
