@@ -340,4 +340,6 @@ fn write_offset(path: &Path, offset: i64) -> Result<(), SourceError> {
 }
 
 #[cfg(test)]
+mod properties;
+#[cfg(test)]
 mod tests;
