@@ -19,34 +19,26 @@ pub enum Retry {
     Useless,
 }
 
-/// Classifies a database error: transient failures can be retried, everything else cannot.
+/// Classifies a database error: transient failures can be retried, everything else cannot. Failures of the
+/// connection itself are transient whatever the database; an error the database reported is judged by the store
+/// that reported it ([`crate::Store::transient`]).
 pub fn classify(error: &sqlx::Error) -> Retry {
-    match error {
+    use crate::store::Store;
+    let transient = match error {
         sqlx::Error::Io(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::WorkerCrashed
         | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_) => Retry::Helps,
-        sqlx::Error::Database(db) => match db.code().as_deref() {
-            // PostgreSQL: serialization_failure, deadlock_detected, lock_not_available, connection exceptions,
-            // admin/crash shutdown, cannot_connect_now, too_many_connections.
-            Some("40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03" | "53300") => Retry::Helps,
-            Some(code) if code.starts_with("08") => Retry::Helps,
-            // SQLite: busy, locked, I/O errors, a full disk, a file it cannot open, with their extended codes.
-            Some(code) if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() && is_sqlite_busy(code) => {
-                Retry::Helps
-            }
-            _ => Retry::Useless,
-        },
-        _ => Retry::Useless,
-    }
-}
-
-/// SQLite's transient primary codes (the low byte of an extended code): SQLITE_BUSY (5), SQLITE_LOCKED (6),
-/// SQLITE_IOERR (10), SQLITE_FULL (13, the disk is full), SQLITE_CANTOPEN (14). The database file is there again,
-/// or has room again, after an operator acts: an outage, retried without limit.
-fn is_sqlite_busy(code: &str) -> bool {
-    code.parse::<i32>().map(|c| matches!(c & 0xff, 5 | 6 | 10 | 13 | 14)).unwrap_or(false)
+        | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Database(db) if db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>().is_some() => {
+            <sqlx::Postgres as Store>::transient(db.as_ref())
+        }
+        sqlx::Error::Database(db) if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() => {
+            <sqlx::Sqlite as Store>::transient(db.as_ref())
+        }
+        _ => false,
+    };
+    if transient { Retry::Helps } else { Retry::Useless }
 }
 
 /// The error a handler returns: retryable or permanent, with a reason that ends up in logs and dead letters.
@@ -202,15 +194,6 @@ impl Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sqlite_busy_codes() {
-        assert!(is_sqlite_busy("5"));
-        assert!(is_sqlite_busy("517")); // SQLITE_BUSY_SNAPSHOT
-        assert!(is_sqlite_busy("6"));
-        assert!(!is_sqlite_busy("2067")); // SQLITE_CONSTRAINT_UNIQUE
-        assert!(!is_sqlite_busy("40001"));
-    }
 
     #[test]
     fn io_errors_are_retryable() {

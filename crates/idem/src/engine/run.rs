@@ -28,14 +28,31 @@ impl<DB: Backend> Engine<DB> {
     ) -> Result<StatsSnapshot, Error> {
         crate::telemetry::describe();
         metrics::gauge!("consumer_paused", "consumer_group" => self.inner.config.group.clone()).set(0.0);
-        self.prepare_layout().await?;
+        let mut shutdown = std::pin::pin!(shutdown);
+        // The layout check is the run's first statement: a database that is away is waited for, as later.
+        let mut outages = 0u32;
+        loop {
+            match self.prepare_layout().await {
+                Ok(()) => break,
+                Err(error) if error.retry() == Retry::Helps => {
+                    outages += 1;
+                    let delay = self.inner.config.backoff_for(outages);
+                    tracing::warn!(consumer_group = %self.inner.config.group, %error, ?delay, outages,
+                        "database unavailable before consuming; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(delay) => {}
+                        _ = &mut shutdown => return Ok(self.stats()),
+                    }
+                }
+                Err(error) => return Err(error),
+            }
+        }
         let source = Arc::new(source);
         let _housekeeping = AbortOnDrop(tokio::spawn(self.clone().housekeeping()));
         self.inner.draining.store(false, Ordering::SeqCst);
         self.inner.running.store(true, Ordering::SeqCst);
         let (fatal_tx, mut fatal_rx) = mpsc::unbounded_channel::<Error>();
         let mut workers: HashMap<Partition, Worker> = HashMap::new();
-        let mut shutdown = std::pin::pin!(shutdown);
         let mut source_failures = 0u32;
         let stop_reason: Result<(), Error> = 'poll: loop {
             tokio::select! {

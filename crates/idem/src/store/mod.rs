@@ -48,6 +48,11 @@ pub trait Store: sqlx::Database + Sized {
         group: &str,
         events: &[&Event],
     ) -> impl Future<Output = Result<Vec<Claim>, sqlx::Error>> + Send;
+    /// Whether an error this database reported is transient (a retry can succeed: a serialization failure, a
+    /// deadlock, a lock, the server shutting down or refusing connections for a while); [`crate::error::classify`]
+    /// asks the store that reported it.
+    fn transient(error: &dyn sqlx::error::DatabaseError) -> bool;
+
     /// Whether the open transaction can still commit what it holds: `Ok(false)` when the handler ended it
     /// itself, an error when it is aborted (PostgreSQL then turns `COMMIT` into a silent `ROLLBACK`).
     fn transaction_intact(conn: &mut Self::Connection) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;

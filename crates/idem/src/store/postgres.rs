@@ -63,6 +63,14 @@ impl Store for Postgres {
         partitions::drop_expired(pool, tables, retention).await
     }
 
+    fn transient(error: &dyn sqlx::error::DatabaseError) -> bool {
+        // serialization_failure, deadlock_detected, lock_not_available, admin/crash shutdown, cannot_connect_now,
+        // too_many_connections, and the connection exceptions (class 08).
+        let code = error.code();
+        matches!(code.as_deref(), Some("40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03" | "53300"))
+            || code.is_some_and(|c| c.starts_with("08"))
+    }
+
     async fn claim(
         conn: &mut PgConnection,
         tables: &Tables,

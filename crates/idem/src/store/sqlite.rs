@@ -40,6 +40,13 @@ impl Store for Sqlite {
         Ok(report)
     }
 
+    /// SQLite's transient primary codes (the low byte of an extended code): SQLITE_BUSY (5), SQLITE_LOCKED (6),
+    /// SQLITE_IOERR (10), SQLITE_FULL (13, the disk is full), SQLITE_CANTOPEN (14). The database file is there
+    /// again, or has room again, after an operator acts: an outage, retried without limit.
+    fn transient(error: &dyn sqlx::error::DatabaseError) -> bool {
+        error.code().is_some_and(|code| is_sqlite_busy(&code))
+    }
+
     async fn claim(
         conn: &mut SqliteConnection,
         tables: &Tables,
@@ -208,4 +215,23 @@ async fn open(url: &str, create: bool) -> Result<sqlx::SqlitePool, Error> {
         .busy_timeout(std::time::Duration::from_secs(30))
         .foreign_keys(true);
     Ok(sqlx::sqlite::SqlitePoolOptions::new().max_connections(4).connect_with(options).await?)
+}
+
+/// Whether a SQLite result code (extended or primary) is one of the transient ones of [`Store::transient`].
+fn is_sqlite_busy(code: &str) -> bool {
+    code.parse::<i32>().map(|c| matches!(c & 0xff, 5 | 6 | 10 | 13 | 14)).unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlite_busy_codes() {
+        assert!(is_sqlite_busy("5"));
+        assert!(is_sqlite_busy("517")); // SQLITE_BUSY_SNAPSHOT
+        assert!(is_sqlite_busy("6"));
+        assert!(!is_sqlite_busy("2067")); // SQLITE_CONSTRAINT_UNIQUE
+        assert!(!is_sqlite_busy("40001"));
+    }
 }
