@@ -52,3 +52,11 @@ cargo run --quiet -p idem-bench -- --quick "${python_arg[@]}" \
 # refusing connections, the network to it cut; after each trial an independent SQL check of the ledger.
 python3 scripts/chaos.py --idem target/debug/idem --trials "${IDEM_CHAOS_TRIALS:-6}" --seed "${IDEM_CHAOS_SEED:-1}" \
   --postgres "${IDEM_TEST_POSTGRES:-postgres://postgres@127.0.0.1:5432}"
+# And over Kafka, on a broker of its own that it restarts as one more fault (the project's broker binary).
+kafka_bin="${NISSHI_BIN:-${IDEM_TOOLS_DIR:-$HOME/.cache/idem-tools}/nisshi-0.7.0-pre.2/bin/nisshi}"
+if [ -x "$kafka_bin" ]; then
+  python3 scripts/chaos.py --idem target/debug/idem --trials 2 --seed "${IDEM_CHAOS_SEED:-1}" --transports kafka \
+    --kafka-bin "$kafka_bin" --postgres "${IDEM_TEST_POSTGRES:-postgres://postgres@127.0.0.1:5432}"
+else
+  echo "chaos: no broker binary at $kafka_bin; the Kafka trials are skipped" >&2
+fi
