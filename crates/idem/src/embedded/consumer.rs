@@ -110,6 +110,7 @@ impl EmbeddedLog {
             pos,
             next: count,
             committed,
+            idle_at: None,
             offset_path,
             _lock: lock_file,
         }))
@@ -168,6 +169,8 @@ pub(super) struct PartReader {
     next: i64,
     /// The committed offset (the next offset to read after a restart).
     committed: i64,
+    /// The file's length when the last read found nothing more: while it stays so, a poll reads nothing.
+    idle_at: Option<u64>,
     offset_path: PathBuf,
     /// Holds the group's lock on the partition until dropped.
     _lock: File,
@@ -179,6 +182,9 @@ impl PartReader {
     /// before it), and stays one: the reader never moves past it.
     fn read_into(&mut self, limit: usize, out: &mut VecDeque<Message>) -> Result<(), SourceError> {
         let len = self.file.metadata().map_err(|e| io_error("stat", &self.path, e))?.len();
+        if self.idle_at == Some(len) {
+            return Ok(());
+        }
         let mut walker = Walker::new(&self.file, &self.path, self.pos, len)?;
         for _ in 0..limit {
             match walker.next_slot()? {
@@ -191,7 +197,10 @@ impl PartReader {
                 }
                 Slot::Damaged { end, what, .. } => return Err(self.damaged(&what, Some(end))),
                 Slot::DamagedTail { pos, what } => return Err(damaged_tail(&self.path, self.next, pos, &what)),
-                Slot::Incomplete { .. } | Slot::End => break,
+                Slot::Incomplete { .. } | Slot::End => {
+                    self.idle_at = Some(len);
+                    break;
+                }
             }
         }
         Ok(())
