@@ -12,14 +12,20 @@ use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use idem::embedded::{ConsumerOptions, EmbeddedLog};
-use idem::{Backend, Committed, Config, Engine, Event, Handler, HandlerError, KeyExtractor, Tables};
+use idem::Tables;
 use serde::Serialize;
-use sqlx::{PgConnection, SqliteConnection};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::db::Db;
 use crate::with_pool;
+
+mod events;
+mod worker;
+
+use events::{Plan, generate, write_embedded};
+pub use events::{ProduceArgs, Rng, produce, write_kafka};
+use worker::CommitReport;
+pub use worker::{WorkerArgs, worker};
 
 const TOPIC: &str = "payments";
 const GROUP: &str = "demo-ledger";
@@ -66,68 +72,6 @@ pub struct DemoArgs {
     /// Print the summary as one JSON object.
     #[arg(long)]
     json: bool,
-}
-
-/// Arguments of one consumer process of the demo.
-#[derive(clap::Args, Debug)]
-pub struct WorkerArgs {
-    /// The embedded log's directory.
-    #[arg(long, required_unless_present = "kafka")]
-    log_dir: Option<PathBuf>,
-    /// Kafka brokers (instead of the embedded log).
-    #[arg(long)]
-    kafka: Option<String>,
-    /// Extra librdkafka setting, KEY=VALUE; repeatable.
-    #[arg(long = "kafka-setting")]
-    kafka_settings: Vec<String>,
-    /// The topic.
-    #[arg(long, default_value = TOPIC)]
-    topic: String,
-    /// The consumer group.
-    #[arg(long, default_value = GROUP)]
-    group: String,
-    /// Keep consuming at the end of the log instead of exiting (until SIGINT or SIGTERM).
-    #[arg(long)]
-    follow: bool,
-    /// Serve /metrics, /healthz and /readyz on this address (e.g. 127.0.0.1:9464).
-    #[arg(long)]
-    metrics_addr: Option<std::net::SocketAddr>,
-    /// The database.
-    #[arg(long, env = "IDEM_DATABASE_URL")]
-    database_url: String,
-    /// Messages per transaction.
-    #[arg(long, default_value_t = 100)]
-    batch_size: usize,
-    /// Connections in the pool.
-    #[arg(long, default_value_t = 5)]
-    connections: u32,
-}
-
-/// Arguments of `idem demo-produce`: the demo's events written into an embedded log, for harnesses that run
-/// `demo-worker` themselves.
-#[derive(clap::Args, Debug)]
-pub struct ProduceArgs {
-    /// The embedded log's directory; it must not exist yet or be empty.
-    #[arg(long, required_unless_present = "kafka", conflicts_with = "kafka")]
-    log_dir: Option<PathBuf>,
-    /// Produce to these Kafka brokers (host:port) instead, into a new topic --topic.
-    #[arg(long)]
-    kafka: Option<String>,
-    /// The topic.
-    #[arg(long, default_value = TOPIC)]
-    topic: String,
-    /// Payment events to produce.
-    #[arg(long, default_value_t = 100_000)]
-    events: u64,
-    /// Partitions of the payments topic.
-    #[arg(long, default_value_t = 4)]
-    partitions: i32,
-    /// Seed of the event generator.
-    #[arg(long)]
-    seed: u64,
-    /// Percentage of events the producer sends twice (producer retries), 0 to 50.
-    #[arg(long, default_value_t = 2.0)]
-    duplicates: f64,
 }
 
 /// Where the demo's events travel.
@@ -180,35 +124,6 @@ struct Summary {
     consume_seconds: f64,
     throughput_per_second: f64,
     mismatches: Vec<String>,
-}
-
-/// What the producer wrote, and so what the ledger must hold.
-#[derive(Debug, Default)]
-struct Plan {
-    events: u64,
-    producer_duplicates: u64,
-    records: u64,
-    poison: u64,
-    poison_with_key: u64,
-    expected_total: i64,
-    expected_entries: i64,
-}
-
-/// SplitMix64: a small, seedable generator, enough for a demo.
-pub struct Rng(pub u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    pub fn below(&mut self, n: u64) -> u64 {
-        if n == 0 { 0 } else { self.next() % n }
-    }
 }
 
 /// `idem demo`.
@@ -318,94 +233,6 @@ async fn prepare(db: &Db, tables: &Tables) -> anyhow::Result<()> {
     db.execute(&create).await
 }
 
-/// The events: each payment once, some a second time a little later (a producer retry), and three poison
-/// messages: one that does not decode, one for an unknown account, one without an idempotency key. Each record
-/// is (account, payload); the account is the message key.
-fn generate(events: u64, duplicates: f64, seed: u64) -> (Plan, Vec<(i64, String)>) {
-    let mut rng = Rng(seed);
-    let mut plan = Plan::default();
-    let mut records = Vec::with_capacity(events as usize + events as usize / 20);
-    let mut retries: Vec<(u64, i64, String)> = Vec::new();
-    let duplicate_per_million = (duplicates * 10_000.0) as u64;
-    let poison_at = [events / 4, events / 2, events * 3 / 4];
-    for n in 0..events {
-        let account = 1 + rng.below(ACCOUNTS as u64) as i64;
-        let amount = 1 + rng.below(100_000) as i64;
-        let payload = format!(r#"{{"idempotencyKey":"pay-{n:09}","account":{account},"amount":{amount}}}"#);
-        records.push((account, payload.clone()));
-        plan.events += 1;
-        plan.expected_total += amount;
-        plan.expected_entries += 1;
-        if rng.below(1_000_000) < duplicate_per_million {
-            retries.push((n + rng.below(50), account, payload));
-            plan.producer_duplicates += 1;
-        }
-        records.extend(drain_due(&mut retries, n).into_iter().map(|(_, account, payload)| (account, payload)));
-        if let Some(which) = poison_at.iter().position(|&at| at == n) {
-            let poison = match which {
-                0 => format!(r#"{{"idempotencyKey":"poison-{n}","account":1,"amount":"12.00 EUR"}}"#),
-                1 => format!(r#"{{"idempotencyKey":"poison-{n}","account":{},"amount":100}}"#, ACCOUNTS + 7),
-                _ => r#"{"account":1,"amount":100}"#.to_owned(),
-            };
-            records.push((1, poison));
-            plan.events += 1;
-            plan.poison += 1;
-            plan.poison_with_key += u64::from(which < 2);
-        }
-    }
-    records.extend(retries.into_iter().map(|(_, account, payload)| (account, payload)));
-    plan.records = records.len() as u64;
-    (plan, records)
-}
-
-fn write_embedded(log_dir: &Path, partitions: i32, records: &[(i64, String)]) -> anyhow::Result<()> {
-    let log = EmbeddedLog::open(log_dir)?;
-    log.create_topic(TOPIC, partitions)?;
-    let producer = log.producer();
-    let progress = indicatif::ProgressBar::new(records.len() as u64);
-    progress.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} producing {bar:40} {pos}/{len} records {rate}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-            .with_key("rate", crate::commands::rate),
-    );
-    for (n, (account, payload)) in records.iter().enumerate() {
-        producer.send(TOPIC, Some(account.to_string().as_bytes()), payload.as_bytes(), &[])?;
-        if n % 4096 == 0 {
-            progress.set_position(n as u64);
-        }
-    }
-    producer.flush()?;
-    progress.finish_and_clear();
-    Ok(())
-}
-
-/// Produces to a fresh topic (explicit 7-day retention) through the idempotent producer helper, many sends in
-/// flight at once.
-pub async fn write_kafka(brokers: &str, topic: &str, partitions: i32, records: &[(i64, String)]) -> anyhow::Result<()> {
-    idem::kafka::create_topic(brokers, topic, partitions, 7 * 24 * 3_600_000).await?;
-    let producer = std::sync::Arc::new(idem::kafka::KafkaProducer::new(brokers)?);
-    for chunk in records.chunks(2000) {
-        let mut sends = tokio::task::JoinSet::new();
-        for (account, payload) in chunk {
-            let (producer, topic, account, payload) =
-                (std::sync::Arc::clone(&producer), topic.to_owned(), *account, payload.clone());
-            sends.spawn(async move {
-                producer.send(&topic, Some(account.to_string().as_bytes()), payload.as_bytes(), &[]).await
-            });
-        }
-        while let Some(sent) = sends.join_next().await {
-            sent??;
-        }
-    }
-    Ok(())
-}
-
-fn drain_due(retries: &mut Vec<(u64, i64, String)>, n: u64) -> Vec<(u64, i64, String)> {
-    let (due, later): (Vec<_>, Vec<_>) = std::mem::take(retries).into_iter().partition(|(at, _, _)| *at <= n);
-    *retries = later;
-    due
-}
-
 /// Runs consumer processes until one finishes the log; the planned ones are killed at their fault point.
 async fn consume(
     args: &DemoArgs,
@@ -507,14 +334,6 @@ async fn consume(
     Ok(())
 }
 
-/// One line of a consumer's stdout: what one transaction committed.
-#[derive(Debug, Serialize, serde::Deserialize)]
-struct CommitReport {
-    processed: u64,
-    duplicate: u64,
-    dead_lettered: u64,
-}
-
 /// Compares the database with the plan; every difference is a mismatch.
 async fn verify(db: &Db, plan: &Plan, summary: &mut Summary) -> anyhow::Result<()> {
     let tables = Tables::new(None, PREFIX)?;
@@ -585,51 +404,6 @@ fn print_summary(s: &Summary, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `idem demo-worker`: consumes the demo's events until their end (or, with `--follow`, until a signal),
-/// printing one line per commit (and, on Kafka, one per assignment).
-pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
-    // Arguments first, before anything is opened: a mistake is named at once.
-    if args.connections == 0 {
-        bail!("--connections 0: the consumer needs at least one connection per partition it consumes, plus one");
-    }
-    if args.batch_size == 0 {
-        bail!("--batch-size 0: use at least 1");
-    }
-    if let Some(setting) = args.kafka_settings.iter().find(|s| !s.contains('=')) {
-        bail!("--kafka-setting `{setting}` is not KEY=VALUE (for example session.timeout.ms=6000)");
-    }
-    if args.kafka.is_none() && !args.kafka_settings.is_empty() {
-        bail!("--kafka-setting applies to Kafka only: give --kafka BROKERS, or leave the settings out");
-    }
-    let config = Config::new(args.group.clone(), KeyExtractor::JsonPointer("/idempotencyKey".into()))
-        .batch_size(args.batch_size)
-        .tables(Tables::new(None, PREFIX)?);
-    let db = Db::open(&args.database_url, args.connections).await?;
-    match (&args.kafka, &args.log_dir) {
-        (Some(brokers), _) => {
-            let mut kafka = idem::kafka::KafkaConfig::new(brokers.as_str(), &[args.topic.as_str()]);
-            for setting in &args.kafka_settings {
-                let Some((key, value)) = setting.split_once('=') else {
-                    bail!("--kafka-setting `{setting}` is not KEY=VALUE");
-                };
-                kafka = kafka.set(key, value);
-            }
-            kafka.stop_at_end = !args.follow;
-            let observer: idem::kafka::consumer::AssignmentObserver = std::sync::Arc::new(report_assignment);
-            let source = idem::kafka::KafkaSource::connect_observed(&kafka, &config, Some(observer)).await?;
-            with_pool!(db, pool => consume_with(pool, source, config, Credit, args.metrics_addr).await?);
-        }
-        (None, Some(dir)) => {
-            let log = EmbeddedLog::open(dir)?;
-            let options = ConsumerOptions { stop_at_end: !args.follow, ..ConsumerOptions::default() };
-            let source = log.consumer(&args.group, &[args.topic.as_str()], options)?;
-            with_pool!(db, pool => consume_with(pool, source, config, Credit, args.metrics_addr).await?);
-        }
-        (None, None) => bail!("give --log-dir or --kafka"),
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
 /// The event counts of `demo` and `demo-produce`, checked before anything is created.
 fn validate_events(events: u64, duplicates: f64, partitions: i32) -> anyhow::Result<()> {
     if events == 0 || events > 100_000_000 {
@@ -649,136 +423,4 @@ pub async fn prepare_only(database_url: &str) -> anyhow::Result<ExitCode> {
     let db = Db::create(database_url, 1).await?;
     prepare(&db, &Tables::new(None, PREFIX)?).await?;
     Ok(ExitCode::SUCCESS)
-}
-
-/// `idem demo-produce`: writes the demo's events into a fresh embedded log (or Kafka topic) and prints the plan (what the ledger
-/// must hold once they are consumed) as one JSON line.
-pub async fn produce(args: ProduceArgs) -> anyhow::Result<ExitCode> {
-    validate_events(args.events, args.duplicates, args.partitions)?;
-    let (plan, records) = generate(args.events, args.duplicates, args.seed);
-    match (&args.kafka, &args.log_dir) {
-        (Some(brokers), _) => write_kafka(brokers, &args.topic, args.partitions, &records)
-            .await
-            .context("producing the events to Kafka")?,
-        (None, Some(dir)) => {
-            if args.topic != TOPIC {
-                bail!("--topic is for --kafka; the embedded log's topic is {TOPIC}");
-            }
-            if std::fs::read_dir(dir).is_ok_and(|mut entries| entries.next().is_some()) {
-                bail!("--log-dir {} is not empty: give a new directory", dir.display());
-            }
-            write_embedded(dir, args.partitions, &records).context("producing the events")?;
-        }
-        (None, None) => bail!("give --log-dir or --kafka"),
-    }
-    report_line(serde_json::json!({
-        "events": plan.events,
-        "records": plan.records,
-        "producer_duplicates": plan.producer_duplicates,
-        "poison": plan.poison,
-        "poison_with_key": plan.poison_with_key,
-        "expected_total_cents": plan.expected_total,
-        "expected_entries": plan.expected_entries,
-    }));
-    Ok(ExitCode::SUCCESS)
-}
-
-fn report_assignment(partitions: &[idem::source::Partition]) {
-    let numbers: Vec<i32> = partitions.iter().map(|p| p.partition).collect();
-    report_line(serde_json::json!({ "assigned": numbers }));
-}
-
-async fn consume_with<DB: Backend, S: idem::Source, H: Handler<DB>>(
-    pool: sqlx::Pool<DB>,
-    source: S,
-    config: Config,
-    handler: H,
-    metrics_addr: Option<std::net::SocketAddr>,
-) -> anyhow::Result<()> {
-    let engine = Engine::new(pool, config)?.on_commit(report_commit);
-    if let Some(addr) = metrics_addr {
-        let recorder = crate::http::install_recorder()?;
-        let bound = crate::http::serve(addr, recorder, engine.clone()).await?;
-        report_line(serde_json::json!({ "metrics_addr": bound.to_string() }));
-    }
-    engine.run(source, handler, shutdown_signal()).await?;
-    Ok(())
-}
-
-fn report_line(value: serde_json::Value) {
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{value}");
-    let _ = out.flush();
-}
-
-/// Writes the commit to stdout before the acknowledgement (and before the after-commit fault point), so the
-/// parent's counts include every committed transaction even when the process is killed right after.
-fn report_commit(committed: &Committed) {
-    use std::io::Write;
-    let report = CommitReport {
-        processed: committed.processed,
-        duplicate: committed.duplicate,
-        dead_lettered: committed.dead_lettered,
-    };
-    if let Ok(line) = serde_json::to_string(&report) {
-        let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "{line}");
-        let _ = out.flush();
-    }
-}
-
-/// Completes on SIGINT or SIGTERM: the engine then finishes the batch in hand, acknowledges it and returns.
-async fn shutdown_signal() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(term) => term,
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-            return;
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-}
-
-/// The demo's handler: one ledger entry and one balance update per payment.
-struct Credit;
-
-#[derive(serde::Deserialize)]
-struct Payment {
-    account: i64,
-    amount: i64,
-}
-
-const INSERT_ENTRY: &str = "INSERT INTO idem_demo_ledger (event_id, account, amount) VALUES ($1, $2, $3)";
-const CREDIT: &str = "UPDATE idem_demo_accounts SET balance = balance + $1 WHERE id = $2";
-
-fn unknown_account(p: &Payment) -> HandlerError {
-    HandlerError::permanent(format!("account {} does not exist", p.account))
-}
-
-impl Handler<sqlx::Postgres> for Credit {
-    async fn handle(&self, event: &Event, tx: &mut PgConnection) -> Result<(), HandlerError> {
-        let p: Payment = event.json()?;
-        sqlx::query(INSERT_ENTRY).bind(&event.id).bind(p.account).bind(p.amount).execute(&mut *tx).await?;
-        let credited = sqlx::query(CREDIT).bind(p.amount).bind(p.account).execute(&mut *tx).await?;
-        if credited.rows_affected() != 1 {
-            return Err(unknown_account(&p));
-        }
-        Ok(())
-    }
-}
-
-impl Handler<sqlx::Sqlite> for Credit {
-    async fn handle(&self, event: &Event, tx: &mut SqliteConnection) -> Result<(), HandlerError> {
-        let p: Payment = event.json()?;
-        sqlx::query(INSERT_ENTRY).bind(&event.id).bind(p.account).bind(p.amount).execute(&mut *tx).await?;
-        let credited = sqlx::query(CREDIT).bind(p.amount).bind(p.account).execute(&mut *tx).await?;
-        if credited.rows_affected() != 1 {
-            return Err(unknown_account(&p));
-        }
-        Ok(())
-    }
 }

@@ -1,0 +1,203 @@
+//! `idem demo-worker`: one consumer process of the demo, with the payments handler, printing one line per commit.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::bail;
+use idem::embedded::{ConsumerOptions, EmbeddedLog};
+use idem::{Backend, Committed, Config, Engine, Event, Handler, HandlerError, KeyExtractor, Tables};
+use serde::Serialize;
+use sqlx::{PgConnection, SqliteConnection};
+
+use crate::db::Db;
+use crate::with_pool;
+
+use super::{GROUP, PREFIX, TOPIC};
+
+/// Arguments of one consumer process of the demo.
+#[derive(clap::Args, Debug)]
+pub struct WorkerArgs {
+    /// The embedded log's directory.
+    #[arg(long, required_unless_present = "kafka")]
+    log_dir: Option<PathBuf>,
+    /// Kafka brokers (instead of the embedded log).
+    #[arg(long)]
+    kafka: Option<String>,
+    /// Extra librdkafka setting, KEY=VALUE; repeatable.
+    #[arg(long = "kafka-setting")]
+    kafka_settings: Vec<String>,
+    /// The topic.
+    #[arg(long, default_value = TOPIC)]
+    topic: String,
+    /// The consumer group.
+    #[arg(long, default_value = GROUP)]
+    group: String,
+    /// Keep consuming at the end of the log instead of exiting (until SIGINT or SIGTERM).
+    #[arg(long)]
+    follow: bool,
+    /// Serve /metrics, /healthz and /readyz on this address (e.g. 127.0.0.1:9464).
+    #[arg(long)]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// The database.
+    #[arg(long, env = "IDEM_DATABASE_URL")]
+    database_url: String,
+    /// Messages per transaction.
+    #[arg(long, default_value_t = 100)]
+    batch_size: usize,
+    /// Connections in the pool.
+    #[arg(long, default_value_t = 5)]
+    connections: u32,
+}
+
+/// One line of a consumer's stdout: what one transaction committed.
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub(super) struct CommitReport {
+    pub(super) processed: u64,
+    pub(super) duplicate: u64,
+    pub(super) dead_lettered: u64,
+}
+
+/// `idem demo-worker`: consumes the demo's events until their end (or, with `--follow`, until a signal),
+/// printing one line per commit (and, on Kafka, one per assignment).
+pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
+    // Arguments first, before anything is opened: a mistake is named at once.
+    if args.connections == 0 {
+        bail!("--connections 0: the consumer needs at least one connection per partition it consumes, plus one");
+    }
+    if args.batch_size == 0 {
+        bail!("--batch-size 0: use at least 1");
+    }
+    if let Some(setting) = args.kafka_settings.iter().find(|s| !s.contains('=')) {
+        bail!("--kafka-setting `{setting}` is not KEY=VALUE (for example session.timeout.ms=6000)");
+    }
+    if args.kafka.is_none() && !args.kafka_settings.is_empty() {
+        bail!("--kafka-setting applies to Kafka only: give --kafka BROKERS, or leave the settings out");
+    }
+    let config = Config::new(args.group.clone(), KeyExtractor::JsonPointer("/idempotencyKey".into()))
+        .batch_size(args.batch_size)
+        .tables(Tables::new(None, PREFIX)?);
+    let db = Db::open(&args.database_url, args.connections).await?;
+    match (&args.kafka, &args.log_dir) {
+        (Some(brokers), _) => {
+            let mut kafka = idem::kafka::KafkaConfig::new(brokers.as_str(), &[args.topic.as_str()]);
+            for setting in &args.kafka_settings {
+                let Some((key, value)) = setting.split_once('=') else {
+                    bail!("--kafka-setting `{setting}` is not KEY=VALUE");
+                };
+                kafka = kafka.set(key, value);
+            }
+            kafka.stop_at_end = !args.follow;
+            let observer: idem::kafka::consumer::AssignmentObserver = std::sync::Arc::new(report_assignment);
+            let source = idem::kafka::KafkaSource::connect_observed(&kafka, &config, Some(observer)).await?;
+            with_pool!(db, pool => consume_with(pool, source, config, Credit, args.metrics_addr).await?);
+        }
+        (None, Some(dir)) => {
+            let log = EmbeddedLog::open(dir)?;
+            let options = ConsumerOptions { stop_at_end: !args.follow, ..ConsumerOptions::default() };
+            let source = log.consumer(&args.group, &[args.topic.as_str()], options)?;
+            with_pool!(db, pool => consume_with(pool, source, config, Credit, args.metrics_addr).await?);
+        }
+        (None, None) => bail!("give --log-dir or --kafka"),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn report_assignment(partitions: &[idem::source::Partition]) {
+    let numbers: Vec<i32> = partitions.iter().map(|p| p.partition).collect();
+    report_line(serde_json::json!({ "assigned": numbers }));
+}
+
+async fn consume_with<DB: Backend, S: idem::Source, H: Handler<DB>>(
+    pool: sqlx::Pool<DB>,
+    source: S,
+    config: Config,
+    handler: H,
+    metrics_addr: Option<std::net::SocketAddr>,
+) -> anyhow::Result<()> {
+    let engine = Engine::new(pool, config)?.on_commit(report_commit);
+    if let Some(addr) = metrics_addr {
+        let recorder = crate::http::install_recorder()?;
+        let bound = crate::http::serve(addr, recorder, engine.clone()).await?;
+        report_line(serde_json::json!({ "metrics_addr": bound.to_string() }));
+    }
+    engine.run(source, handler, shutdown_signal()).await?;
+    Ok(())
+}
+
+pub(super) fn report_line(value: serde_json::Value) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{value}");
+    let _ = out.flush();
+}
+
+/// Writes the commit to stdout before the acknowledgement (and before the after-commit fault point), so the
+/// parent's counts include every committed transaction even when the process is killed right after.
+fn report_commit(committed: &Committed) {
+    use std::io::Write;
+    let report = CommitReport {
+        processed: committed.processed,
+        duplicate: committed.duplicate,
+        dead_lettered: committed.dead_lettered,
+    };
+    if let Ok(line) = serde_json::to_string(&report) {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+    }
+}
+
+/// Completes on SIGINT or SIGTERM: the engine then finishes the batch in hand, acknowledges it and returns.
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(term) => term,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+/// The demo's handler: one ledger entry and one balance update per payment.
+struct Credit;
+
+#[derive(serde::Deserialize)]
+struct Payment {
+    account: i64,
+    amount: i64,
+}
+
+const INSERT_ENTRY: &str = "INSERT INTO idem_demo_ledger (event_id, account, amount) VALUES ($1, $2, $3)";
+const CREDIT: &str = "UPDATE idem_demo_accounts SET balance = balance + $1 WHERE id = $2";
+
+fn unknown_account(p: &Payment) -> HandlerError {
+    HandlerError::permanent(format!("account {} does not exist", p.account))
+}
+
+impl Handler<sqlx::Postgres> for Credit {
+    async fn handle(&self, event: &Event, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let p: Payment = event.json()?;
+        sqlx::query(INSERT_ENTRY).bind(&event.id).bind(p.account).bind(p.amount).execute(&mut *tx).await?;
+        let credited = sqlx::query(CREDIT).bind(p.amount).bind(p.account).execute(&mut *tx).await?;
+        if credited.rows_affected() != 1 {
+            return Err(unknown_account(&p));
+        }
+        Ok(())
+    }
+}
+
+impl Handler<sqlx::Sqlite> for Credit {
+    async fn handle(&self, event: &Event, tx: &mut SqliteConnection) -> Result<(), HandlerError> {
+        let p: Payment = event.json()?;
+        sqlx::query(INSERT_ENTRY).bind(&event.id).bind(p.account).bind(p.amount).execute(&mut *tx).await?;
+        let credited = sqlx::query(CREDIT).bind(p.amount).bind(p.account).execute(&mut *tx).await?;
+        if credited.rows_affected() != 1 {
+            return Err(unknown_account(&p));
+        }
+        Ok(())
+    }
+}
