@@ -152,27 +152,26 @@ class Proxy:
             except OSError:
                 pass
 
-    def cut(self):
-        """Closes every proxied connection (both sides) and refuses new ones until `restore()`."""
+    def _drop_all(self, flag):
+        """Sets `flag` ("refusing" or "closed") and closes every proxied connection; returns how many."""
         with self.lock:
-            self.refusing = True
+            setattr(self, flag, True)
             pairs = list(self.pairs)
             self.pairs.clear()
         for pair in pairs:
             self._close_pair_now(pair)
         return len(pairs)
 
+    def cut(self):
+        """Closes every proxied connection (both sides) and refuses new ones until `restore()`."""
+        return self._drop_all("refusing")
+
     def restore(self):
         with self.lock:
             self.refusing = False
 
     def close(self):
-        with self.lock:
-            self.closed = True
-            pairs = list(self.pairs)
-            self.pairs.clear()
-        for pair in pairs:
-            self._close_pair_now(pair)
+        self._drop_all("closed")
         try:
             self.listener.shutdown(socket.SHUT_RDWR)
         except OSError:
