@@ -16,6 +16,7 @@ use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -154,12 +155,39 @@ struct Worker {
     lines: mpsc::Receiver<Value>,
     processed: u64,
     duplicate: u64,
+    /// The partitions it reported after each rebalance (Kafka only).
+    assignments: Vec<Vec<i64>>,
+    /// Where the process's standard error goes, shown when it ends badly.
+    stderr: PathBuf,
 }
+
+/// How a consumer process ended.
+struct Ended {
+    status: std::process::ExitStatus,
+    processed: u64,
+    duplicate: u64,
+    stderr: String,
+}
+
+impl Ended {
+    /// Asserts a clean exit, showing the process's standard error otherwise.
+    fn assert_success(&self, what: &str) {
+        assert!(self.status.success(), "{what}: {}\n{}", self.status, self.stderr);
+    }
+}
+
+/// Numbers the consumer processes of this test binary, for their stderr files.
+static WORKERS: AtomicUsize = AtomicUsize::new(0);
 
 impl Worker {
     fn start(run: &Run, fault: Option<&str>, follow: bool, batch: usize) -> Worker {
+        Self::start_with(run, fault, follow, batch, &[])
+    }
+
+    /// Like [`Worker::start`], with more `demo-worker` arguments.
+    fn start_with(run: &Run, fault: Option<&str>, follow: bool, batch: usize, extra: &[&str]) -> Worker {
         let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
-        command.args(["--log", "error", "demo-worker"]).args(&run.worker_args);
+        command.args(["--log", "error", "demo-worker"]).args(&run.worker_args).args(extra);
         command.args(["--database-url", &run.url, "--batch-size", &batch.to_string()]);
         if follow {
             command.arg("--follow");
@@ -168,7 +196,10 @@ impl Worker {
             Some(fault) => command.env("IDEM_FAULT", fault),
             None => command.env_remove("IDEM_FAULT"),
         };
-        let mut child = command.stdout(Stdio::piped()).stdin(Stdio::null()).spawn().expect("start a consumer");
+        let stderr_path = run.dir.join(format!("worker-{}.err", WORKERS.fetch_add(1, Ordering::Relaxed)));
+        let stderr = std::fs::File::create(&stderr_path).expect("a worker's stderr file");
+        let mut child =
+            command.stdout(Stdio::piped()).stderr(stderr).stdin(Stdio::null()).spawn().expect("start a consumer");
         let stdout = child.stdout.take().expect("stdout");
         let (tx, lines) = mpsc::channel();
         std::thread::spawn(move || {
@@ -178,24 +209,28 @@ impl Worker {
                 }
             }
         });
-        Worker { child, lines, processed: 0, duplicate: 0 }
+        Worker { child, lines, processed: 0, duplicate: 0, assignments: Vec::new(), stderr: stderr_path }
     }
 
     fn absorb(&mut self) {
         while let Ok(value) = self.lines.try_recv() {
             self.processed += value["processed"].as_u64().unwrap_or(0);
             self.duplicate += value["duplicate"].as_u64().unwrap_or(0);
+            if let Some(assigned) = value["assigned"].as_array() {
+                self.assignments.push(assigned.iter().filter_map(Value::as_i64).collect());
+            }
         }
     }
 
     /// Waits for the process to exit (at most 120 s) and reads what it reported.
-    fn wait(mut self) -> (std::process::ExitStatus, u64, u64) {
+    fn wait(mut self) -> Ended {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
                 std::thread::sleep(Duration::from_millis(50));
                 self.absorb();
-                return (status, self.processed, self.duplicate);
+                let stderr = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+                return Ended { status, processed: self.processed, duplicate: self.duplicate, stderr };
             }
             assert!(Instant::now() < deadline, "a consumer did not exit");
             std::thread::sleep(Duration::from_millis(20));
@@ -222,9 +257,9 @@ impl Worker {
 
 /// Runs a consumer to the end of the log; its status must be success.
 fn finish(run: &Run) -> (u64, u64) {
-    let (status, processed, duplicate) = Worker::start(run, None, false, 20).wait();
-    assert!(status.success(), "the finishing consumer failed: {status}");
-    (processed, duplicate)
+    let ended = Worker::start(run, None, false, 20).wait();
+    ended.assert_success("the finishing consumer");
+    (ended.processed, ended.duplicate)
 }
 
 fn scalar(run: &Run, sql: &str) -> i64 {
@@ -265,8 +300,8 @@ fn unacknowledged_messages_come_again_after_sigkill() {
     for broker in sources() {
         for fault in ["before-commit:3", "after-commit:3"] {
             let run = run(broker.as_ref(), "kill");
-            let (status, _, _) = Worker::start(&run, Some(fault), false, 10).wait();
-            assert_eq!(status.signal(), Some(libc::SIGKILL), "{}: {fault}", broker.name());
+            let ended = Worker::start(&run, Some(fault), false, 10).wait();
+            assert_eq!(ended.status.signal(), Some(libc::SIGKILL), "{}: {fault}\n{}", broker.name(), ended.stderr);
             let (_, duplicate) = finish(&run);
             if fault.starts_with("after") {
                 assert!(duplicate >= 1, "{}: the committed, unacknowledged batch comes again", broker.name());
@@ -285,38 +320,56 @@ fn sigterm_acknowledges_what_committed_and_nothing_more() {
         let mut worker = Worker::start(&run, None, true, 5);
         worker.until_processed(100);
         worker.signal(libc::SIGTERM);
-        let (status, first, first_duplicates) = worker.wait();
-        assert!(status.success(), "{}: a drained shutdown exits 0: {status}", broker.name());
+        let first = worker.wait();
+        first.assert_success(&format!("{}: a drained shutdown exits 0", broker.name()));
         let (second, second_duplicates) = finish(&run);
         // Only the producer's retries come twice: nothing committed was left unacknowledged.
-        assert_eq!(first_duplicates + second_duplicates, run.retries, "{}: duplicates", broker.name());
-        assert_eq!((first + second) as usize, run.expected, "{}", broker.name());
+        assert_eq!(first.duplicate + second_duplicates, run.retries, "{}: duplicates", broker.name());
+        assert_eq!((first.processed + second) as usize, run.expected, "{}", broker.name());
         assert_exactly_once_in_order(&run, broker.name());
     }
 }
 
 /// A second consumer joins mid-run: the source revokes partitions from the first, which drains its batch in hand
-/// before they move; every event is still applied once.
+/// before they move; every event is still applied once. The handlers wait 10 ms per event, so the first consumer
+/// is still busy when the second joins.
 #[test]
 fn a_revocation_drains_the_batch_in_hand() {
+    let slow = ["--handler-delay-ms", "10"];
     for broker in sources().into_iter().filter(|b| b.revokes()) {
+        let name = broker.name();
         let run = run(broker.as_ref(), "revoke");
-        let mut first = Worker::start(&run, None, true, 5);
+        let mut first = Worker::start_with(&run, None, true, 5, &slow);
         first.until_processed(50);
-        let mut second = Worker::start(&run, None, true, 5);
+        let mut second = Worker::start_with(&run, None, true, 5, &slow);
         let deadline = Instant::now() + Duration::from_secs(120);
+        // The group rebalances: the second consumer gets partitions, the first gives some up.
         loop {
             first.absorb();
             second.absorb();
-            if (first.processed + second.processed) as usize >= run.expected {
+            let joined = second.assignments.last().is_some_and(|p| !p.is_empty());
+            let revoked = first.assignments.last().is_some_and(|p| p.len() < PARTITIONS as usize);
+            if joined && revoked {
                 break;
             }
-            assert!(Instant::now() < deadline, "{}: the two consumers did not finish", broker.name());
+            assert!(
+                Instant::now() < deadline,
+                "{name}: no rebalance: {:?} / {:?}",
+                first.assignments,
+                second.assignments
+            );
             std::thread::sleep(Duration::from_millis(50));
+        }
+        while ((first.processed + second.processed) as usize) < run.expected {
+            assert!(Instant::now() < deadline, "{name}: the two consumers did not finish");
+            std::thread::sleep(Duration::from_millis(50));
+            first.absorb();
+            second.absorb();
         }
         first.signal(libc::SIGTERM);
         second.signal(libc::SIGTERM);
-        assert!(first.wait().0.success() && second.wait().0.success());
-        assert_exactly_once_in_order(&run, broker.name());
+        first.wait().assert_success(&format!("{name}: the first consumer"));
+        second.wait().assert_success(&format!("{name}: the second consumer"));
+        assert_exactly_once_in_order(&run, name);
     }
 }

@@ -10,6 +10,7 @@ use serde::Serialize;
 use sqlx::{PgConnection, SqliteConnection};
 
 use crate::db::Db;
+use crate::signals::Signals;
 use crate::with_pool;
 
 use super::{GROUP, PREFIX, TOPIC};
@@ -47,6 +48,10 @@ pub struct WorkerArgs {
     /// Connections in the pool.
     #[arg(long, default_value_t = 5)]
     connections: u32,
+    /// Milliseconds the handler waits before each event, so a batch stays in hand for a while (the revocation
+    /// test uses it).
+    #[arg(long, default_value_t = 0, hide = true)]
+    handler_delay_ms: u64,
 }
 
 /// One line of a consumer's stdout: what one transaction committed.
@@ -60,6 +65,8 @@ pub(super) struct CommitReport {
 /// `idem demo-worker`: consumes the demo's events until their end (or, with `--follow`, until a signal),
 /// printing one line per commit (and, on Kafka, one per assignment).
 pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
+    // Registered before anything else, so a signal during start-up ends the run cleanly once it begins.
+    let signals = Signals::install()?;
     // Arguments first, before anything is opened: a mistake is named at once.
     if args.connections == 0 {
         bail!("--connections 0: the consumer needs at least one connection per partition it consumes, plus one");
@@ -77,6 +84,7 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
         .batch_size(args.batch_size)
         .tables(Tables::new(None, PREFIX)?);
     let db = Db::open(&args.database_url, args.connections).await?;
+    let credit = Credit { delay: std::time::Duration::from_millis(args.handler_delay_ms) };
     match (&args.kafka, &args.log_dir) {
         (Some(brokers), _) => {
             let mut kafka = idem::kafka::KafkaConfig::new(brokers.as_str(), &[args.topic.as_str()]);
@@ -89,13 +97,13 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
             kafka.stop_at_end = !args.follow;
             let observer: idem::kafka::consumer::AssignmentObserver = std::sync::Arc::new(report_assignment);
             let source = idem::kafka::KafkaSource::connect_observed(&kafka, &config, Some(observer)).await?;
-            with_pool!(db, pool => consume_with(pool, source, config, Credit, args.metrics_addr).await?);
+            with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, signals).await?);
         }
         (None, Some(dir)) => {
             let log = EmbeddedLog::open(dir)?;
             let options = ConsumerOptions { stop_at_end: !args.follow, ..ConsumerOptions::default() };
             let source = log.consumer(&args.group, &[args.topic.as_str()], options)?;
-            with_pool!(db, pool => consume_with(pool, source, config, Credit, args.metrics_addr).await?);
+            with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, signals).await?);
         }
         (None, None) => bail!("give --log-dir or --kafka"),
     }
@@ -113,6 +121,7 @@ async fn consume_with<DB: Backend, S: idem::Source, H: Handler<DB>>(
     config: Config,
     handler: H,
     metrics_addr: Option<std::net::SocketAddr>,
+    signals: Signals,
 ) -> anyhow::Result<()> {
     let engine = Engine::new(pool, config)?.on_commit(report_commit);
     if let Some(addr) = metrics_addr {
@@ -120,7 +129,7 @@ async fn consume_with<DB: Backend, S: idem::Source, H: Handler<DB>>(
         let bound = crate::http::serve(addr, recorder, engine.clone()).await?;
         report_line(serde_json::json!({ "metrics_addr": bound.to_string() }));
     }
-    engine.run(source, handler, shutdown_signal()).await?;
+    engine.run(source, handler, signals.received()).await?;
     Ok(())
 }
 
@@ -147,23 +156,19 @@ fn report_commit(committed: &Committed) {
     }
 }
 
-/// Completes on SIGINT or SIGTERM: the engine then finishes the batch in hand, acknowledges it and returns.
-async fn shutdown_signal() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(term) => term,
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-            return;
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+/// The demo's handler: one ledger entry and one balance update per payment.
+struct Credit {
+    /// How long to wait before each event (zero but in tests).
+    delay: std::time::Duration,
 }
 
-/// The demo's handler: one ledger entry and one balance update per payment.
-struct Credit;
+impl Credit {
+    async fn pause(&self) {
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+    }
+}
 
 #[derive(serde::Deserialize)]
 struct Payment {
@@ -180,6 +185,7 @@ fn unknown_account(p: &Payment) -> HandlerError {
 
 impl Handler<sqlx::Postgres> for Credit {
     async fn handle(&self, event: &Event, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        self.pause().await;
         let p: Payment = event.json()?;
         sqlx::query(INSERT_ENTRY).bind(&event.id).bind(p.account).bind(p.amount).execute(&mut *tx).await?;
         let credited = sqlx::query(CREDIT).bind(p.amount).bind(p.account).execute(&mut *tx).await?;
@@ -192,6 +198,7 @@ impl Handler<sqlx::Postgres> for Credit {
 
 impl Handler<sqlx::Sqlite> for Credit {
     async fn handle(&self, event: &Event, tx: &mut SqliteConnection) -> Result<(), HandlerError> {
+        self.pause().await;
         let p: Payment = event.json()?;
         sqlx::query(INSERT_ENTRY).bind(&event.id).bind(p.account).bind(p.amount).execute(&mut *tx).await?;
         let credited = sqlx::query(CREDIT).bind(p.amount).bind(p.account).execute(&mut *tx).await?;
