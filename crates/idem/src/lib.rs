@@ -84,7 +84,7 @@ pub use source::{Acknowledgement, Publisher, Received, Source, SourceError};
 /// The sqlx version idem is built with; handlers use its `PgConnection` and `SqliteConnection`.
 pub use sqlx;
 pub use sqlx::{Postgres, Sqlite};
-pub use store::{Backend, Operations, Store, Tables, postgres, sqlite};
+pub use store::{Backend, IntactCommit, Operations, Store, Tables, postgres, sqlite};
 
 /// Applies the missing migrations of `pool`'s database for `tables`; safe to run twice and from two processes.
 pub async fn migrate<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables) -> Result<store::MigrationReport, Error> {

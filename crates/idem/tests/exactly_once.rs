@@ -338,6 +338,83 @@ async fn swallowed_error_is_not_reported_as_committed() {
     assert!(letters[0].error.contains("aborted"), "{}", letters[0].error);
 }
 
+/// A handler that ends the transaction itself (`COMMIT` through the connection) is caught at the engine's
+/// `COMMIT`: the message is not reported as processed (its own `COMMIT` took the marker with it, so the retry
+/// finds a duplicate), every effect is there once, and no connection is left inside a transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_commits_itself_is_caught() {
+    struct CommitsItself;
+    impl Handler<sqlx::Postgres> for CommitsItself {
+        async fn handle(&self, event: &idem::Event, tx: &mut sqlx::PgConnection) -> Result<(), idem::HandlerError> {
+            sqlx::query("INSERT INTO ledger (event_id, amount) VALUES ($1, 1)")
+                .bind(&event.id)
+                .execute(&mut *tx)
+                .await?;
+            if event.id == "bad" {
+                sqlx::query("COMMIT").execute(&mut *tx).await?;
+            }
+            Ok(())
+        }
+    }
+    let db = common::pg().await;
+    setup(&db.pool).await;
+    let engine = Engine::new(db.pool.clone(), config(1)).unwrap();
+    let mut outcomes = Vec::new();
+    for (offset, id) in ["a", "bad", "c"].into_iter().enumerate() {
+        outcomes.extend(engine.process(vec![payment(0, offset as i64, id, 1, "")], &CommitsItself).await.unwrap());
+    }
+    assert_eq!(outcomes, [Outcome::Processed, Outcome::Duplicate, Outcome::Processed]);
+    for id in ["a", "bad", "c"] {
+        assert_eq!(ledger_rows(&db.pool, id).await, 1, "{id}");
+        assert_eq!(markers(&db.pool, id).await, 1, "{id}");
+    }
+    let open: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(open, 0, "no connection is left inside a transaction");
+}
+
+/// A deferred constraint that the handler's writes break fails at `COMMIT`: the handler's fault, dead-lettered
+/// with the database's reason; neither its effect nor its marker stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deferred_constraint_failing_at_commit_is_the_handlers() {
+    struct Orphan;
+    impl Handler<sqlx::Postgres> for Orphan {
+        async fn handle(&self, event: &idem::Event, tx: &mut sqlx::PgConnection) -> Result<(), idem::HandlerError> {
+            let parent = if event.id == "bad" { 999 } else { 1 };
+            sqlx::query("INSERT INTO ledger (event_id, amount) VALUES ($1, 1)")
+                .bind(&event.id)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query("INSERT INTO child (parent) VALUES ($1)").bind(parent).execute(&mut *tx).await?;
+            Ok(())
+        }
+    }
+    let db = common::pg().await;
+    setup(&db.pool).await;
+    for sql in [
+        "CREATE TABLE parent (id int PRIMARY KEY)",
+        "INSERT INTO parent VALUES (1)",
+        "CREATE TABLE child (parent int REFERENCES parent (id) DEFERRABLE INITIALLY DEFERRED)",
+    ] {
+        sqlx::query(sql).execute(&db.pool).await.unwrap();
+    }
+    let engine = Engine::new(db.pool.clone(), config(1)).unwrap();
+    let batch = vec![payment(0, 0, "a", 1, ""), payment(0, 1, "bad", 1, "")];
+    let outcomes = engine.process(batch, &Orphan).await.unwrap();
+    assert_eq!(outcomes, [Outcome::Processed, Outcome::DeadLettered]);
+    assert_eq!(ledger_rows(&db.pool, "bad").await, 0, "the effect rolled back");
+    let letters = idem::dead_letter::list(&db.pool, &idem::Tables::default(), None, 10).await.unwrap();
+    assert!(
+        letters[0].error.contains("commit failed") && letters[0].error.contains("foreign key"),
+        "{}",
+        letters[0].error
+    );
+}
+
 /// A replayed dead letter is addressed to its group: other groups on the topic skip it.
 async fn replays_for_another_group_are_skipped<DB: Backend>(pool: Pool<DB>)
 where

@@ -1,6 +1,7 @@
 //! The transaction order, written once ([`Engine::in_transaction`]): a connection, `BEGIN`, the body (whose first
-//! statement is the claim: markers, or the Sequential Inbox's claim), the check that user code left the
-//! transaction able to commit, the fault point, `COMMIT` with its failure mapped, the report of what committed,
+//! statement is the claim: markers, or the Sequential Inbox's claim), the fault point, the check that user code
+//! left the transaction able to commit and `COMMIT` (one round trip on PostgreSQL, [`Store::commit_intact`]) with
+//! their failures mapped, the report of what committed,
 //! the fault point after it; the acknowledgement comes after, from the caller. The marker path
 //! ([`Engine::transaction`]), the dead-letter path and the Sequential Inbox all run through it.
 
@@ -18,7 +19,7 @@ use crate::config::IdReusePolicy;
 use crate::error::{HandlerError, Retry, classify};
 use crate::fault::FaultPoint;
 use crate::message::{Event, Message};
-use crate::store::{Backend, Claim, NewDeadLetter};
+use crate::store::{Backend, Claim, IntactCommit, NewDeadLetter, Store};
 
 /// Why one attempt at a transaction did not commit.
 pub(crate) enum Failure {
@@ -83,8 +84,16 @@ pub(crate) async fn check_intact<DB: Backend>(conn: &mut DB::Connection) -> Resu
     match DB::transaction_intact(conn).await {
         Ok(true) => Ok(()),
         Ok(false) => Err(Failure::Ended),
-        Err(error) if classify(&error) == Retry::Helps => Err(Failure::Database(error)),
-        Err(error) => Err(Failure::handler(HandlerError::left_transaction_aborted(&error))),
+        Err(error) => Err(aborted(error)),
+    }
+}
+
+/// The failure of a transaction found aborted: the database's, when a retry can help; else the handler's.
+fn aborted(error: sqlx::Error) -> Failure {
+    if classify(&error) == Retry::Helps {
+        Failure::Database(error)
+    } else {
+        Failure::handler(HandlerError::left_transaction_aborted(&error))
     }
 }
 
@@ -107,30 +116,34 @@ impl<DB: Backend> Engine<DB> {
                 return Err(failure);
             }
         };
-        let (value, user_writes) = match end {
+        let (value, user_writes, check) = match end {
             End::Rollback(value) => {
                 tx.rollback().await?;
                 report(&value);
                 return Ok(value);
             }
-            End::Commit { value, user_writes, check_intact: check } => {
-                if check && let Err(failure) = check_intact::<DB>(&mut *tx).await {
-                    let _ = tx.rollback().await;
-                    return Err(failure);
-                }
-                (value, user_writes)
-            }
+            End::Commit { value, user_writes, check_intact: check } => (value, user_writes, check),
         };
         faults.reached(FaultPoint::BeforeCommit);
-        if let Err(error) = tx.commit().await {
-            return Err(match classify(&error) {
-                Retry::Helps => Failure::Database(error),
-                // A deferred constraint of the handler's writes fails at COMMIT: the handler is at fault.
-                Retry::Useless if user_writes => {
-                    Failure::handler(HandlerError::Permanent(format!("commit failed: {error}")))
-                }
-                Retry::Useless => Failure::Database(error),
-            });
+        let ended = if check {
+            DB::commit_intact(tx).await
+        } else {
+            tx.commit().await.map_or_else(IntactCommit::CommitFailed, |()| IntactCommit::Committed)
+        };
+        match ended {
+            IntactCommit::Committed => {}
+            IntactCommit::Ended => return Err(Failure::Ended),
+            IntactCommit::Aborted(error) => return Err(aborted(error)),
+            IntactCommit::CommitFailed(error) => {
+                return Err(match classify(&error) {
+                    Retry::Helps => Failure::Database(error),
+                    // A deferred constraint of the handler's writes fails at COMMIT: the handler is at fault.
+                    Retry::Useless if user_writes => {
+                        Failure::handler(HandlerError::Permanent(format!("commit failed: {error}")))
+                    }
+                    Retry::Useless => Failure::Database(error),
+                });
+            }
         }
         report(&value);
         faults.reached(FaultPoint::AfterCommit);

@@ -21,6 +21,19 @@ use crate::config::MarkerLayout;
 use crate::error::Error;
 use crate::message::{Event, Message};
 
+/// How [`Store::commit_intact`] ended.
+#[derive(Debug)]
+pub enum IntactCommit {
+    /// The transaction committed.
+    Committed,
+    /// User code had ended the transaction itself (`COMMIT` or `ROLLBACK` through the connection).
+    Ended,
+    /// The transaction was aborted (a handler swallowed a database error); nothing committed.
+    Aborted(sqlx::Error),
+    /// `COMMIT` itself failed: a deferred constraint, a serialization failure, a lost connection.
+    CommitFailed(sqlx::Error),
+}
+
 /// The hot path every store implements: what a consumer needs of its database (migrate, claim markers, write a
 /// dead letter, check a transaction before `COMMIT`). Implemented for [`sqlx::Postgres`] and [`sqlx::Sqlite`];
 /// a new store is one module implementing this and [`Operations`], with its SQL.
@@ -56,6 +69,9 @@ pub trait Store: sqlx::Database + Sized {
     /// Whether the open transaction can still commit what it holds: `Ok(false)` when the handler ended it
     /// itself, an error when it is aborted (PostgreSQL then turns `COMMIT` into a silent `ROLLBACK`).
     fn transaction_intact(conn: &mut Self::Connection) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+    /// Checks the transaction as [`Store::transaction_intact`] does and commits it when it is intact, in as few
+    /// round trips as the database allows (PostgreSQL: one).
+    fn commit_intact(tx: sqlx::Transaction<'_, Self>) -> impl Future<Output = IntactCommit> + Send;
     /// Records a dead letter in the open transaction; a second failure of the same event updates its row.
     fn dead_letter(
         conn: &mut Self::Connection,

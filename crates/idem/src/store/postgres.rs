@@ -8,7 +8,7 @@ use sqlx::{Connection, PgConnection, Postgres, Row};
 use super::migrate::lock_key;
 use super::partitions;
 use super::{
-    Claim, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
+    Claim, DeadLetter, GroupStats, IntactCommit, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
     judge_existing, payload_digest,
 };
 use crate::config::MarkerLayout;
@@ -174,6 +174,29 @@ impl Store for Postgres {
         let xid: Option<String> =
             sqlx::query_scalar("SELECT pg_current_xact_id_if_assigned()::text").fetch_one(conn).await?;
         Ok(xid.is_some())
+    }
+
+    /// The check, `COMMIT` and a `BEGIN` go out as one simple query: one round trip where a check and a
+    /// `COMMIT` would take two. PostgreSQL runs them in order and stops at the first error, so an aborted
+    /// transaction fails the check (25P02) and never reaches `COMMIT`. sqlx still counts the transaction as open;
+    /// the trailing `BEGIN` gives it an empty one to roll back, and that `ROLLBACK` goes out with the
+    /// connection's next message (the pool's check when it is released), not as a round trip of its own.
+    async fn commit_intact(mut tx: sqlx::Transaction<'_, Postgres>) -> IntactCommit {
+        const CHECK_COMMIT_BEGIN: &str = "SELECT pg_current_xact_id_if_assigned()::text; COMMIT; BEGIN";
+        // A query without arguments goes out as a simple query, which may hold several statements.
+        let conn: &mut PgConnection = &mut tx;
+        match sqlx::Executor::fetch_all(conn, CHECK_COMMIT_BEGIN).await {
+            Ok(rows) => {
+                let xid: Option<String> = rows.first().and_then(|row| row.try_get(0).ok()).flatten();
+                drop(tx);
+                if xid.is_some() { IntactCommit::Committed } else { IntactCommit::Ended }
+            }
+            Err(error) if error.as_database_error().and_then(|e| e.code()).as_deref() == Some("25P02") => {
+                let _ = tx.rollback().await;
+                IntactCommit::Aborted(error)
+            }
+            Err(error) => IntactCommit::CommitFailed(error),
+        }
     }
 
     async fn dead_letter(

@@ -4,7 +4,7 @@
 use sqlx::{Connection, Sqlite, SqliteConnection};
 
 use super::{
-    Claim, DeadLetter, GroupStats, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
+    Claim, DeadLetter, GroupStats, IntactCommit, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
     judge_existing, payload_digest,
 };
 use crate::config::MarkerLayout;
@@ -93,6 +93,13 @@ impl Store for Sqlite {
         // SQLite has no aborted-transaction state: a failed statement is undone alone, and COMMIT outside a
         // transaction fails loudly.
         Ok(true)
+    }
+
+    async fn commit_intact(tx: sqlx::Transaction<'_, Sqlite>) -> IntactCommit {
+        match tx.commit().await {
+            Ok(()) => IntactCommit::Committed,
+            Err(error) => IntactCommit::CommitFailed(error),
+        }
     }
 
     async fn dead_letter(
