@@ -68,7 +68,10 @@ pub mod kafka;
 pub mod key;
 pub mod kill_switch;
 pub mod message;
+#[cfg(feature = "nats")]
+pub mod nats;
 pub mod prune;
+pub mod retention;
 pub mod source;
 pub mod store;
 pub mod telemetry;

@@ -43,6 +43,10 @@ impl PartialEq for AckHandle {
 
 impl Eq for AckHandle {}
 
+/// The header holding a producer-assigned event id, which idem's producers (Kafka, NATS) stamp on every event.
+/// Consume such events with `KeyExtractor::Header("idem-event-id")`.
+pub const EVENT_ID_HEADER: &str = "idem-event-id";
+
 /// One message as a broker delivered it, independent of the broker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {

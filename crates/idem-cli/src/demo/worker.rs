@@ -19,8 +19,18 @@ use super::{GROUP, PREFIX, TOPIC};
 #[derive(clap::Args, Debug)]
 pub struct WorkerArgs {
     /// The embedded log's directory.
-    #[arg(long, required_unless_present = "kafka")]
+    #[arg(long, required_unless_present_any = ["kafka", "nats"])]
     log_dir: Option<PathBuf>,
+    /// NATS server (instead of the embedded log): the topic is the JetStream stream, the group its durable
+    /// consumer.
+    #[arg(long, conflicts_with_all = ["kafka", "log_dir"])]
+    nats: Option<String>,
+    /// NATS: AckWait of the durable consumer when it is created, in seconds; batches may take at most this long.
+    #[arg(long, default_value_t = 30)]
+    ack_wait_secs: u64,
+    /// NATS: one message in flight (max_ack_pending 1), so order holds across redeliveries.
+    #[arg(long)]
+    strict_order: bool,
     /// Kafka brokers (instead of the embedded log).
     #[arg(long)]
     kafka: Option<String>,
@@ -85,6 +95,9 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
         .tables(Tables::new(None, PREFIX)?);
     let db = Db::open(&args.database_url, args.connections).await?;
     let credit = Credit { delay: std::time::Duration::from_millis(args.handler_delay_ms) };
+    if let Some(url) = &args.nats {
+        return nats(url, &args, config, db, credit, signals).await;
+    }
     match (&args.kafka, &args.log_dir) {
         (Some(brokers), _) => {
             let mut kafka = idem::kafka::KafkaConfig::new(brokers.as_str(), &[args.topic.as_str()]);
@@ -105,9 +118,36 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
             let source = log.consumer(&args.group, &[args.topic.as_str()], options)?;
             with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, signals).await?);
         }
-        (None, None) => bail!("give --log-dir or --kafka"),
+        (None, None) => bail!("give --log-dir, --kafka or --nats"),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(feature = "nats")]
+async fn nats(
+    url: &str,
+    args: &WorkerArgs,
+    config: Config,
+    db: Db,
+    credit: Credit,
+    signals: Signals,
+) -> anyhow::Result<ExitCode> {
+    let ack_wait = std::time::Duration::from_secs(args.ack_wait_secs);
+    let nats = idem::nats::NatsConfig {
+        ack_wait,
+        max_batch_time: ack_wait.min(std::time::Duration::from_secs(10)),
+        stop_at_end: !args.follow,
+        max_ack_pending: args.strict_order.then_some(1),
+        ..idem::nats::NatsConfig::new(url, args.topic.as_str())
+    };
+    let source = idem::nats::NatsSource::connect(&nats, &config).await?;
+    with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, signals).await?);
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(not(feature = "nats"))]
+async fn nats(_: &str, _: &WorkerArgs, _: Config, _: Db, _: Credit, _: Signals) -> anyhow::Result<ExitCode> {
+    bail!("--nats: this idem is built without the `nats` feature")
 }
 
 fn report_assignment(partitions: &[idem::source::Partition]) {

@@ -1,6 +1,6 @@
 //! The transaction order, written once ([`Engine::in_transaction`]): a connection, `BEGIN`, the body (whose first
 //! statement is the claim: markers, or the Sequential Inbox's claim), the fault point, the check that user code
-//! left the transaction able to commit and `COMMIT` (one round trip on PostgreSQL, [`Store::commit_intact`]) with
+//! left the transaction able to commit and `COMMIT` (one round trip on PostgreSQL, [`crate::store::Store::commit_intact`]) with
 //! their failures mapped, the report of what committed,
 //! the fault point after it; the acknowledgement comes after, from the caller. The marker path
 //! ([`Engine::transaction`]), the dead-letter path and the Sequential Inbox all run through it.
@@ -19,7 +19,7 @@ use crate::config::IdReusePolicy;
 use crate::error::{HandlerError, Retry, classify};
 use crate::fault::FaultPoint;
 use crate::message::{Event, Message};
-use crate::store::{Backend, Claim, IntactCommit, NewDeadLetter, Store};
+use crate::store::{Backend, Claim, IntactCommit, NewDeadLetter};
 
 /// Why one attempt at a transaction did not commit.
 pub(crate) enum Failure {

@@ -203,9 +203,10 @@ impl KafkaSource {
             }
             retentions.push((topic.clone(), retention));
         }
-        let policy = super::RetentionPolicy {
+        let policy = crate::retention::RetentionPolicy {
             marker_retention: engine.pruning.retention,
-            accept_infinite_topic_retention: config.accept_infinite_topic_retention,
+            accept_infinite_retention: config.accept_infinite_topic_retention,
+            broker: crate::retention::KAFKA_TOPIC,
         };
         policy.check(&retentions)?;
 

@@ -10,7 +10,6 @@
 mod admin;
 pub mod consumer;
 mod producer;
-pub mod retention;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -18,7 +17,6 @@ use std::time::Duration;
 pub use admin::{create_topic, delete_topic, topic_retention_ms};
 pub use consumer::KafkaSource;
 pub use producer::{EVENT_ID_HEADER, KafkaProducer};
-pub use retention::RetentionPolicy;
 
 use crate::error::Error;
 

@@ -20,8 +20,7 @@ use crate::gap::{PRODUCER_ID_HEADER, SEQUENCE_HEADER};
 use crate::message::Message;
 use crate::source::{Publisher, SourceError};
 
-/// The header holding the producer-assigned event id.
-pub const EVENT_ID_HEADER: &str = "idem-event-id";
+pub use crate::message::EVENT_ID_HEADER;
 
 /// An idempotent Kafka producer that stamps event ids and per-partition sequence numbers.
 pub struct KafkaProducer {

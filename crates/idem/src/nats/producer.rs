@@ -1,0 +1,86 @@
+//! A small JetStream producer: every message carries `Nats-Msg-Id`, so the server's duplicate window drops a
+//! producer's retry of the same message (JetStream's counterpart of Kafka's idempotent producer), and the same
+//! id in `idem-event-id`, so consumers can use `KeyExtractor::Header("idem-event-id")`.
+
+use async_nats::HeaderMap;
+
+use super::connect;
+use crate::error::Error;
+use crate::message::{EVENT_ID_HEADER, Message};
+use crate::source::{Publisher, SourceError};
+
+/// The header JetStream deduplicates on within the stream's duplicate window.
+pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
+
+/// Publishes to JetStream with a message id on every message, waiting for the server's acknowledgement.
+pub struct NatsProducer {
+    js: async_nats::jetstream::Context,
+}
+
+/// What the server said about one published message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Published {
+    /// The message's sequence in its stream.
+    pub sequence: u64,
+    /// The event id it carries (`Nats-Msg-Id` and `idem-event-id`).
+    pub event_id: String,
+    /// The server had this id already within the duplicate window and did not store the message again.
+    pub duplicate: bool,
+}
+
+impl NatsProducer {
+    /// Connects to `url`.
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        Ok(NatsProducer { js: async_nats::jetstream::new(connect(url).await?) })
+    }
+
+    /// Publishes `payload` to `subject` and waits until the stream stored it. The event id is the
+    /// `idem-event-id` of `headers` when there is one (a retry or a replay keeps its id), else a new UUIDv7.
+    /// Header values must be text (NATS headers are).
+    pub async fn send(
+        &self,
+        subject: &str,
+        payload: &[u8],
+        headers: &[(String, Vec<u8>)],
+    ) -> Result<Published, SourceError> {
+        let mut map = HeaderMap::new();
+        for (name, value) in headers {
+            let value = std::str::from_utf8(value).map_err(|_| {
+                SourceError::permanent(
+                    "nats publish",
+                    format!("header {name} is not UTF-8 text, which NATS headers need"),
+                )
+            })?;
+            map.append(name.as_str(), value);
+        }
+        let event_id = match headers.iter().find(|(n, _)| n == EVENT_ID_HEADER) {
+            Some((_, id)) => String::from_utf8_lossy(id).into_owned(),
+            None => {
+                let id = uuid::Uuid::now_v7().to_string();
+                map.insert(EVENT_ID_HEADER, id.as_str());
+                id
+            }
+        };
+        if !headers.iter().any(|(n, _)| n == MSG_ID_HEADER) {
+            map.insert(MSG_ID_HEADER, event_id.as_str());
+        }
+        let ack = self
+            .js
+            .publish_with_headers(subject.to_owned(), map, payload.to_vec().into())
+            .await
+            .map_err(|e| SourceError::transient("nats publish", e))?
+            .await
+            .map_err(|e| SourceError::transient("nats publish", e))?;
+        Ok(Published { sequence: ack.sequence, event_id, duplicate: ack.duplicate })
+    }
+}
+
+impl Publisher for NatsProducer {
+    /// Publishes to the message's subject, which the NATS source keeps in [`Message::key`].
+    async fn publish(&self, message: &Message) -> Result<(), SourceError> {
+        let subject = message.key.as_deref().and_then(|k| std::str::from_utf8(k).ok()).ok_or_else(|| {
+            SourceError::permanent("nats publish", "the message has no subject (its key): it did not come from NATS")
+        })?;
+        self.send(subject, &message.payload, &message.headers).await.map(drop)
+    }
+}
