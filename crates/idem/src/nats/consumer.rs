@@ -28,6 +28,8 @@ pub struct NatsSource {
     consumer: tokio::sync::Mutex<PullConsumer>,
     stream: String,
     stop_at_end: bool,
+    /// Messages per pull request.
+    batch: usize,
     /// The pull stream: the client keeps one pull request of up to a batch outstanding and refills it.
     messages: tokio::sync::Mutex<pull::Stream>,
     in_hand: InHand,
@@ -106,12 +108,8 @@ impl NatsSource {
         tracing::info!(stream = %config.stream, consumer = %durable, ack_wait = ?existing.ack_wait,
             max_deliver = existing.max_deliver, "nats: consuming");
 
-        // At most a batch waits in the client, so what is delivered is soon in hand and kept in progress.
-        let messages = consumer
-            .stream()
-            .max_messages_per_batch(engine.batch_size.max(1))
-            .heartbeat(Duration::from_secs(5))
-            .messages()
+        let batch = engine.batch_size.max(1);
+        let messages = open_pull(&consumer, batch)
             .await
             .map_err(|e| Error::Config(format!("nats consumer {durable}: cannot start pulling: {e}")))?;
         let in_hand: InHand = Arc::default();
@@ -121,10 +119,17 @@ impl NatsSource {
             consumer: tokio::sync::Mutex::new(consumer),
             stream: config.stream.clone(),
             stop_at_end: config.stop_at_end,
+            batch,
             messages: tokio::sync::Mutex::new(messages),
             in_hand,
             progress,
         })
+    }
+
+    /// A new pull stream, after the old one failed or ended.
+    async fn reopen(&self) -> Result<pull::Stream, SourceError> {
+        let consumer = self.consumer.lock().await;
+        open_pull(&consumer, self.batch).await.map_err(|e| SourceError::transient("nats pull", e))
     }
 
     /// Whether nothing is left for this consumer: nothing undelivered, and nothing awaiting acknowledgement
@@ -176,6 +181,13 @@ impl NatsSource {
     }
 }
 
+/// Opens a pull stream: one outstanding request of up to `batch` messages, refilled as they are taken, with
+/// heartbeats so a lost connection is noticed. At most a batch waits in the client, so what is delivered is soon
+/// in hand and kept in progress.
+async fn open_pull(consumer: &PullConsumer, batch: usize) -> Result<pull::Stream, async_nats::Error> {
+    Ok(consumer.stream().max_messages_per_batch(batch).heartbeat(Duration::from_secs(5)).messages().await?)
+}
+
 /// The handle of one delivery: its stream sequence and the subject its acknowledgement goes to.
 struct Delivery {
     sequence: u64,
@@ -213,8 +225,13 @@ impl Source for NatsSource {
         loop {
             match tokio::time::timeout(IDLE_CHECK, messages.next()).await {
                 Ok(Some(Ok(message))) => return self.to_message(message).map(|m| Some(Received::Message(m))),
-                Ok(Some(Err(error))) => return Err(SourceError::transient("nats pull", error)),
-                Ok(None) => return Err(SourceError::transient("nats pull", "the pull stream ended")),
+                Ok(Some(Err(error))) => {
+                    // The client reconnects by itself; a pull that failed meanwhile is opened again.
+                    tracing::warn!(%error, stream = %self.stream, "nats: pull failed; pulling again");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    *messages = self.reopen().await?;
+                }
+                Ok(None) => *messages = self.reopen().await?,
                 Err(_idle) if self.stop_at_end && self.at_end().await? => {
                     tracing::info!(stream = %self.stream, "nats: nothing left to deliver");
                     return Ok(None);

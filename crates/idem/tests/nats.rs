@@ -1,0 +1,119 @@
+//! NATS JetStream, against a real server (`IDEM_NATS_URL`, default nats://127.0.0.1:4222): the retention guard on
+//! a stream's `max_age`, the AckWait guard and the acknowledgement-policy refusal on an existing consumer, clear
+//! errors for a wrong URL or a missing stream, and the producer's message id dropping a retry.
+#![cfg(feature = "nats")]
+
+mod common;
+
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{AckPolicy, pull};
+use common::config;
+use idem::nats::{NatsConfig, NatsProducer, NatsSource, create_stream, delete_stream};
+
+const DAY: Duration = Duration::from_secs(86_400);
+
+fn url() -> String {
+    std::env::var("IDEM_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+}
+
+fn unique(prefix: &str) -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!("{prefix}-{}-{nanos}", std::process::id())
+}
+
+/// The engine's configuration with markers kept `days` days (`None`: never pruned), in a group of its own.
+fn markers_for(days: Option<u64>) -> idem::Config {
+    let engine = idem::Config { group: unique("g"), ..config(10) };
+    match days {
+        Some(days) => engine.marker_retention(DAY * days as u32),
+        None => engine,
+    }
+}
+
+async fn stream(prefix: &str, max_age: Duration) -> String {
+    let name = unique(prefix);
+    create_stream(&url(), &name, &[&format!("{name}.>")], max_age).await.expect("create stream (is nats-server up?)");
+    name
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_guard_refuses_3_days_against_a_7_day_stream_and_passes_8() {
+    let name = stream("retention", DAY * 7).await;
+    let nats = NatsConfig::new(url(), name.as_str());
+    let err = NatsSource::connect(&nats, &markers_for(Some(3))).await.err().expect("3 days against 7").to_string();
+    assert!(err.contains("max_age of stream") && err.contains("3.0 days") && err.contains("7.7 days"), "{err}");
+    NatsSource::connect(&nats, &markers_for(Some(8))).await.expect("8 days against 7 passes");
+    delete_stream(&url(), &name).await.unwrap();
+
+    // A stream that keeps messages forever needs markers that are never pruned, or the override.
+    let forever = stream("forever", Duration::ZERO).await;
+    let nats = NatsConfig::new(url(), forever.as_str());
+    let err = NatsSource::connect(&nats, &markers_for(Some(30))).await.err().expect("forever").to_string();
+    assert!(err.contains("max_age=0") && err.contains("accept_infinite_stream_retention"), "{err}");
+    NatsSource::connect(&nats, &markers_for(None)).await.expect("never-pruned markers pass");
+    let accepted = NatsConfig { accept_infinite_stream_retention: true, ..nats };
+    NatsSource::connect(&accepted, &markers_for(Some(30))).await.expect("the override passes");
+    delete_stream(&url(), &forever).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_existing_consumer_with_a_short_ack_wait_or_another_policy_is_refused() {
+    let name = stream("ackwait", DAY).await;
+    let client = async_nats::connect(url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let stream = js.get_stream(&name).await.unwrap();
+    for (durable, ack_policy, ack_wait) in
+        [("short", AckPolicy::Explicit, Duration::from_secs(1)), ("all", AckPolicy::All, Duration::from_secs(60))]
+    {
+        let consumer = pull::Config { durable_name: Some(durable.into()), ack_policy, ack_wait, ..Default::default() };
+        stream.create_consumer(consumer).await.unwrap();
+    }
+    let nats = NatsConfig {
+        durable: Some("short".into()),
+        max_batch_time: Duration::from_secs(30),
+        ..NatsConfig::new(url(), name.as_str())
+    };
+    let err = NatsSource::connect(&nats, &markers_for(Some(2))).await.err().expect("AckWait 1 s").to_string();
+    assert!(
+        err.contains("AckWait 1 s") && err.contains("max_batch_time 30 s") && err.contains("at least 30 s"),
+        "{err}"
+    );
+    let all = NatsConfig { durable: Some("all".into()), ..nats };
+    let err = NatsSource::connect(&all, &markers_for(Some(2))).await.err().expect("AckPolicy::All").to_string();
+    assert!(err.contains("ack_policy=all") && err.contains("ack_policy=explicit"), "{err}");
+    delete_stream(&url(), &name).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_url_or_a_missing_stream_is_named() {
+    let err = NatsSource::connect(&NatsConfig::new("nats://127.0.0.1:1", "s"), &markers_for(Some(2)))
+        .await
+        .err()
+        .expect("nothing listens on port 1")
+        .to_string();
+    assert!(err.contains("nats://127.0.0.1:1"), "{err}");
+    let missing = unique("missing");
+    let err = NatsSource::connect(&NatsConfig::new(url(), missing.as_str()), &markers_for(Some(2)))
+        .await
+        .err()
+        .expect("no such stream")
+        .to_string();
+    assert!(err.contains(&missing) && err.contains("nats stream add"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_producer_message_id_drops_a_retry_within_the_duplicate_window() {
+    let name = stream("dedup", DAY).await;
+    let producer = NatsProducer::connect(&url()).await.unwrap();
+    let subject = format!("{name}.a");
+    let first = producer.send(&subject, b"x", &[]).await.unwrap();
+    assert!(!first.duplicate);
+    let retry = [(idem::message::EVENT_ID_HEADER.to_owned(), first.event_id.clone().into_bytes())];
+    let again = producer.send(&subject, b"x", &retry).await.unwrap();
+    assert!(again.duplicate, "the same id within the window is dropped by the server");
+    assert_eq!(again.sequence, first.sequence);
+    let other = producer.send(&subject, b"x", &[]).await.unwrap();
+    assert!(!other.duplicate && other.sequence > first.sequence);
+    delete_stream(&url(), &name).await.unwrap();
+}
