@@ -109,6 +109,7 @@ impl Broker for Kafka {
 /// across redelivery.
 struct Nats {
     strict: bool,
+    url: String,
 }
 
 fn nats_url() -> String {
@@ -126,11 +127,11 @@ impl Broker for Nats {
         let name = dir.file_name().unwrap().to_string_lossy().replace('.', "-");
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         runtime.block_on(async {
-            let url = nats_url();
-            idem::nats::create_stream(&url, &name, &[&format!("{name}.*")], Duration::from_secs(7 * 86_400))
+            let url = &self.url;
+            idem::nats::create_stream(url, &name, &[&format!("{name}.*")], Duration::from_secs(7 * 86_400))
                 .await
                 .unwrap();
-            let producer = idem::nats::NatsProducer::connect(&url).await.unwrap();
+            let producer = idem::nats::NatsProducer::connect(url).await.unwrap();
             for (key, payload) in records {
                 let published = producer.send(&format!("{name}.{key}"), payload.as_bytes(), &[]).await.unwrap();
                 assert!(!published.duplicate, "each send has its own message id");
@@ -138,7 +139,7 @@ impl Broker for Nats {
         });
         let mut args = vec![
             "--nats".into(),
-            nats_url(),
+            self.url.clone(),
             "--topic".into(),
             name.clone(),
             "--group".into(),
@@ -163,15 +164,19 @@ impl Broker for Nats {
     fn remove(&self, worker_args: &[String]) {
         if let Some(name) = worker_args.iter().skip_while(|a| *a != "--topic").nth(1) {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            let _ = runtime.block_on(idem::nats::delete_stream(&nats_url(), name));
+            let _ = runtime.block_on(idem::nats::delete_stream(&self.url, name));
         }
     }
 }
 
 /// Every source, or those whose name contains `IDEM_CONFORMANCE_ONLY` when it is set.
 fn sources() -> Vec<Arc<dyn Broker>> {
-    let all: Vec<Arc<dyn Broker>> =
-        vec![Arc::new(Embedded), Arc::new(Kafka), Arc::new(Nats { strict: false }), Arc::new(Nats { strict: true })];
+    let all: Vec<Arc<dyn Broker>> = vec![
+        Arc::new(Embedded),
+        Arc::new(Kafka),
+        Arc::new(Nats { strict: false, url: nats_url() }),
+        Arc::new(Nats { strict: true, url: nats_url() }),
+    ];
     let only = std::env::var("IDEM_CONFORMANCE_ONLY").unwrap_or_default();
     all.into_iter().filter(|b| b.name().contains(only.as_str())).collect()
 }
@@ -452,4 +457,83 @@ fn a_revocation_drains_the_batch_in_hand() {
         second.wait().assert_success(&format!("{name}: the second consumer"));
         assert_exactly_once_in_order(&run, name, true);
     }
+}
+
+/// A NATS server of the test's own, on a free port with its own store, so it can be stopped and started again.
+struct OwnNatsServer {
+    port: u16,
+    store: PathBuf,
+    child: Option<Child>,
+}
+
+impl OwnNatsServer {
+    fn start() -> OwnNatsServer {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let store = std::env::temp_dir().join(format!("idem-nats-{}-{port}", std::process::id()));
+        let mut server = OwnNatsServer { port, store, child: None };
+        server.restart();
+        server
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the server (again) and waits until it accepts connections.
+    fn restart(&mut self) {
+        let binary = std::env::var("IDEM_NATS_SERVER").unwrap_or_else(|_| "/usr/sbin/nats-server".to_owned());
+        let port = self.port.to_string();
+        let store = self.store.display().to_string();
+        let child = Command::new(&binary)
+            .args(["-a", "127.0.0.1", "-p", &port, "-js", "-sd", &store])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {binary} (set IDEM_NATS_SERVER): {e}"));
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(Instant::now() < deadline, "the test's nats-server did not start on port {port}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for OwnNatsServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.store);
+    }
+}
+
+/// NATS: the server dies (SIGKILL) mid-run and comes back on the same port and store: the consumer reconnects,
+/// resumes from its durable consumer, and every event is applied exactly once.
+#[test]
+fn nats_a_server_restart_mid_run_loses_nothing() {
+    let mut server = OwnNatsServer::start();
+    let broker: Arc<dyn Broker> = Arc::new(Nats { strict: false, url: server.url() });
+    let run = run(&broker, "restart");
+    let mut worker = Worker::start_with(&run, None, true, 5, &["--handler-delay-ms", "5"]);
+    worker.until_processed(100);
+    assert!((worker.processed as usize) < run.expected, "the server must die mid-run");
+    server.kill();
+    std::thread::sleep(Duration::from_secs(1));
+    server.restart();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while (worker.processed as usize) < run.expected {
+        assert!(Instant::now() < deadline, "processed only {} of {} after the restart", worker.processed, run.expected);
+        assert!(worker.child.try_wait().unwrap().is_none(), "the consumer exited during the outage");
+        std::thread::sleep(Duration::from_millis(50));
+        worker.absorb();
+    }
+    worker.signal(libc::SIGTERM);
+    worker.wait().assert_success("the consumer after the restart");
+    assert_exactly_once_in_order(&run, broker.name(), true);
 }
