@@ -148,6 +148,28 @@ pub async fn write_kafka(brokers: &str, topic: &str, partitions: i32, records: &
     Ok(())
 }
 
+/// Creates stream `stream` over `<stream>.*` and publishes the records to `<stream>.<account>`, in order.
+#[cfg(feature = "nats")]
+pub async fn write_nats(url: &str, stream: &str, records: &[(i64, String)]) -> anyhow::Result<()> {
+    idem::nats::create_stream(url, stream, &[&format!("{stream}.*")], std::time::Duration::from_secs(7 * 86_400))
+        .await?;
+    let producer = idem::nats::NatsProducer::connect(url).await?;
+    for chunk in records.chunks(2000) {
+        let messages: Vec<(String, Vec<u8>)> = chunk
+            .iter()
+            .map(|(account, payload)| (format!("{stream}.{account}"), payload.clone().into_bytes()))
+            .collect();
+        producer.send_in_order(&messages).await?;
+    }
+    Ok(())
+}
+
+/// Without the `nats` feature: refused.
+#[cfg(not(feature = "nats"))]
+pub async fn write_nats(_: &str, _: &str, _: &[(i64, String)]) -> anyhow::Result<()> {
+    anyhow::bail!("--nats: this idem is built without the `nats` feature")
+}
+
 fn drain_due(retries: &mut Vec<(u64, i64, String)>, n: u64) -> Vec<(u64, i64, String)> {
     let (due, later): (Vec<_>, Vec<_>) = std::mem::take(retries).into_iter().partition(|(at, _, _)| *at <= n);
     *retries = later;

@@ -23,7 +23,7 @@ mod events;
 mod worker;
 
 use events::{Plan, generate, write_embedded};
-pub use events::{ProduceArgs, Rng, produce, write_kafka};
+pub use events::{ProduceArgs, Rng, produce, write_kafka, write_nats};
 use worker::CommitReport;
 pub use worker::{WorkerArgs, worker};
 
@@ -63,6 +63,10 @@ pub struct DemoArgs {
     /// per run.
     #[arg(long)]
     kafka: Option<String>,
+    /// Use the NATS JetStream server at this URL (nats://host:port) instead of the embedded log: a fresh stream
+    /// and durable consumer per run, the stream removed at the end.
+    #[arg(long, conflicts_with = "kafka")]
+    nats: Option<String>,
     /// Keep the log (and SQLite file) in this directory instead of a temporary one removed at the end.
     #[arg(long)]
     dir: Option<PathBuf>,
@@ -78,6 +82,7 @@ pub struct DemoArgs {
 enum Transport {
     Embedded(PathBuf),
     Kafka { brokers: String, topic: String, group: String },
+    Nats { url: String, stream: String, group: String },
 }
 
 impl Transport {
@@ -93,6 +98,17 @@ impl Transport {
                 group.clone(),
                 "--kafka-setting".into(),
                 "session.timeout.ms=6000".into(),
+            ],
+            // AckWait 3 s: what a killed consumer held comes again 3 s later.
+            Transport::Nats { url, stream, group } => vec![
+                "--nats".into(),
+                url.clone(),
+                "--topic".into(),
+                stream.clone(),
+                "--group".into(),
+                group.clone(),
+                "--ack-wait-secs".into(),
+                "3".into(),
             ],
         }
     }
@@ -153,16 +169,21 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         eprintln!("generating {} payment events (seed {seed}) and producing them…", args.events);
     }
     let (plan, records) = generate(args.events, args.duplicates, seed);
-    let transport = match &args.kafka {
-        None => {
-            write_embedded(&log_dir, args.partitions, &records).context("producing the events")?;
-            Transport::Embedded(log_dir.clone())
-        }
-        Some(brokers) => {
-            let run = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
-            let (topic, group) = (format!("idem-demo-{run}"), format!("{GROUP}-{run}"));
+    let run_id = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    let transport = match (&args.kafka, &args.nats) {
+        (Some(brokers), _) => {
+            let (topic, group) = (format!("idem-demo-{run_id}"), format!("{GROUP}-{run_id}"));
             write_kafka(brokers, &topic, args.partitions, &records).await.context("producing the events to Kafka")?;
             Transport::Kafka { brokers: brokers.clone(), topic, group }
+        }
+        (None, Some(url)) => {
+            let (stream, group) = (format!("idem-demo-{run_id}"), format!("{GROUP}-{run_id}"));
+            write_nats(url, &stream, &records).await.context("producing the events to NATS JetStream")?;
+            Transport::Nats { url: url.clone(), stream, group }
+        }
+        (None, None) => {
+            write_embedded(&log_dir, args.partitions, &records).context("producing the events")?;
+            Transport::Embedded(log_dir.clone())
         }
     };
     if !args.json {
@@ -182,7 +203,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         ..Summary::default()
     };
     let started = Instant::now();
-    consume(&args, &transport, &url, &plan, seed, &mut summary).await?;
+    let consumed = consume(&args, &transport, &url, &plan, seed, &mut summary).await;
+    if let Transport::Nats { url, stream, .. } = &transport {
+        remove_nats_stream(url, stream).await;
+    }
+    consumed?;
     summary.consume_seconds = started.elapsed().as_secs_f64();
     verify(&db, &plan, &mut summary).await?;
     summary.throughput_per_second = summary.deliveries as f64 / summary.consume_seconds.max(1e-9);
@@ -192,6 +217,16 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     print_summary(&summary, args.json)?;
     Ok(if summary.ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
+
+#[cfg(feature = "nats")]
+async fn remove_nats_stream(url: &str, stream: &str) {
+    if let Err(error) = idem::nats::delete_stream(url, stream).await {
+        eprintln!("warning: the demo's stream {stream} was not removed: {error}");
+    }
+}
+
+#[cfg(not(feature = "nats"))]
+async fn remove_nats_stream(_: &str, _: &str) {}
 
 fn validate(args: &DemoArgs) -> anyhow::Result<()> {
     validate_events(args.events, args.duplicates, args.partitions)?;

@@ -43,27 +43,7 @@ impl NatsProducer {
         payload: &[u8],
         headers: &[(String, Vec<u8>)],
     ) -> Result<Published, SourceError> {
-        let mut map = HeaderMap::new();
-        for (name, value) in headers {
-            let value = std::str::from_utf8(value).map_err(|_| {
-                SourceError::permanent(
-                    "nats publish",
-                    format!("header {name} is not UTF-8 text, which NATS headers need"),
-                )
-            })?;
-            map.append(name.as_str(), value);
-        }
-        let event_id = match headers.iter().find(|(n, _)| n == EVENT_ID_HEADER) {
-            Some((_, id)) => String::from_utf8_lossy(id).into_owned(),
-            None => {
-                let id = uuid::Uuid::now_v7().to_string();
-                map.insert(EVENT_ID_HEADER, id.as_str());
-                id
-            }
-        };
-        if !headers.iter().any(|(n, _)| n == MSG_ID_HEADER) {
-            map.insert(MSG_ID_HEADER, event_id.as_str());
-        }
+        let (map, event_id) = stamp(headers)?;
         let ack = self
             .js
             .publish_with_headers(subject.to_owned(), map, payload.to_vec().into())
@@ -73,6 +53,51 @@ impl NatsProducer {
             .map_err(|e| SourceError::transient("nats publish", e))?;
         Ok(Published { sequence: ack.sequence, event_id, duplicate: ack.duplicate })
     }
+
+    /// Publishes `messages` (subject, payload) in order, without waiting for each acknowledgement before the next
+    /// publish, then waits for all of them: the stream holds them in this order.
+    pub async fn send_in_order(&self, messages: &[(String, Vec<u8>)]) -> Result<Vec<Published>, SourceError> {
+        let mut pending = Vec::with_capacity(messages.len());
+        for (subject, payload) in messages {
+            let (map, event_id) = stamp(&[])?;
+            let ack = self
+                .js
+                .publish_with_headers(subject.clone(), map, payload.clone().into())
+                .await
+                .map_err(|e| SourceError::transient("nats publish", e))?;
+            pending.push((ack, event_id));
+        }
+        let mut published = Vec::with_capacity(pending.len());
+        for (ack, event_id) in pending {
+            let ack = ack.await.map_err(|e| SourceError::transient("nats publish", e))?;
+            published.push(Published { sequence: ack.sequence, event_id, duplicate: ack.duplicate });
+        }
+        Ok(published)
+    }
+}
+
+/// The headers of one message: the caller's, plus the event id (`idem-event-id`, kept when given) as
+/// `Nats-Msg-Id` unless that is given too.
+fn stamp(headers: &[(String, Vec<u8>)]) -> Result<(HeaderMap, String), SourceError> {
+    let mut map = HeaderMap::new();
+    for (name, value) in headers {
+        let value = std::str::from_utf8(value).map_err(|_| {
+            SourceError::permanent("nats publish", format!("header {name} is not UTF-8 text, which NATS headers need"))
+        })?;
+        map.append(name.as_str(), value);
+    }
+    let event_id = match headers.iter().find(|(n, _)| n == EVENT_ID_HEADER) {
+        Some((_, id)) => String::from_utf8_lossy(id).into_owned(),
+        None => {
+            let id = uuid::Uuid::now_v7().to_string();
+            map.insert(EVENT_ID_HEADER, id.as_str());
+            id
+        }
+    };
+    if !headers.iter().any(|(n, _)| n == MSG_ID_HEADER) {
+        map.insert(MSG_ID_HEADER, event_id.as_str());
+    }
+    Ok((map, event_id))
 }
 
 impl Publisher for NatsProducer {
