@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs idem's whole test suite: makes sure the services the tests use are up, then `cargo test`.
 # Kafka: the cluster at $IDEM_KAFKA_BROKERS, or scripts/kafka.sh starts a Kafka-compatible broker on 127.0.0.1:9092.
+# NATS JetStream: the server at $IDEM_NATS_URL, or 127.0.0.1:4222 (started if it is stopped).
 # PostgreSQL must be installed (127.0.0.1:5432, trust auth for user postgres); it is started if it is stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +26,27 @@ ensure_postgres() {
   exit 1
 }
 
+# NATS with JetStream: the server at $IDEM_NATS_URL, or the machine's nats-server on 127.0.0.1:4222, started if it
+# is installed and stopped.
+ensure_nats() {
+  if [ -n "${IDEM_NATS_URL:-}" ] || (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null; then return 0; fi
+  if [ ! -x /usr/sbin/nats-server ]; then
+    echo "NATS is not running on 127.0.0.1:4222 and nats-server is not installed; the NATS tests need it" >&2
+    exit 1
+  fi
+  echo "starting nats-server with JetStream…"
+  start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- \
+    -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log
+  for _ in $(seq 1 30); do
+    (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null && return 0
+    sleep 1
+  done
+  echo "nats-server did not come up on 127.0.0.1:4222" >&2
+  exit 1
+}
+
 ensure_postgres
+ensure_nats
 # Kafka: a cluster named by IDEM_KAFKA_BROKERS, or the project's broker on 127.0.0.1:9092 (scripts/kafka.sh).
 if [ -z "${IDEM_KAFKA_BROKERS:-}" ]; then
   scripts/kafka.sh up
