@@ -117,6 +117,8 @@ pub enum ReplayTarget {
     Log(PathBuf),
     /// Kafka brokers.
     Kafka(String),
+    /// A NATS JetStream server: each message goes back to its subject.
+    Nats(String),
 }
 
 /// `idem dead-letters replay`.
@@ -154,9 +156,20 @@ pub async fn replay_dead_letters(
         ReplayTarget::Kafka(brokers) => {
             replay_through(&db, &tables, &idem::kafka::KafkaProducer::new(brokers)?, &letters).await?
         }
+        ReplayTarget::Nats(url) => replay_nats(&db, &tables, url, &letters).await?,
     };
     println!("{replayed} dead letter(s) replayed");
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(feature = "nats")]
+async fn replay_nats(db: &Db, tables: &Tables, url: &str, letters: &[DeadLetter]) -> anyhow::Result<usize> {
+    replay_through(db, tables, &idem::nats::NatsProducer::connect(url).await?, letters).await
+}
+
+#[cfg(not(feature = "nats"))]
+async fn replay_nats(_: &Db, _: &Tables, _: &str, _: &[DeadLetter]) -> anyhow::Result<u64> {
+    bail!("--nats: this idem is built without the `nats` feature")
 }
 
 async fn replay_through<P: Publisher>(

@@ -147,11 +147,14 @@ enum DeadLetterCommand {
         #[command(flatten)]
         db: DbArgs,
         /// The embedded log to publish to.
-        #[arg(long, required_unless_present = "kafka", conflicts_with = "kafka")]
+        #[arg(long, required_unless_present_any = ["kafka", "nats"], conflicts_with_all = ["kafka", "nats"])]
         log_dir: Option<PathBuf>,
         /// The Kafka brokers to publish to (host:port), instead of an embedded log.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "nats")]
         kafka: Option<String>,
+        /// The NATS server to publish to (nats://host:port): each message goes back to the subject it came from.
+        #[arg(long)]
+        nats: Option<String>,
         /// Dead-letter ids to replay (see `list`).
         ids: Vec<i64>,
         /// Replay every dead letter (of --group, if given).
@@ -230,11 +233,21 @@ fn main() -> ExitCode {
                 Command::DeadLetters(DeadLetterCommand::List { db, group, matching, limit, json }) => {
                     commands::list_dead_letters(&db, group.as_deref(), matching.as_deref(), limit, json).await
                 }
-                Command::DeadLetters(DeadLetterCommand::Replay { db, log_dir, kafka, ids, all, group, matching }) => {
-                    let target = match (log_dir, kafka) {
-                        (_, Some(brokers)) => commands::ReplayTarget::Kafka(brokers),
-                        (Some(dir), None) => commands::ReplayTarget::Log(dir),
-                        (None, None) => return Err(anyhow::anyhow!("give --log-dir or --kafka")),
+                Command::DeadLetters(DeadLetterCommand::Replay {
+                    db,
+                    log_dir,
+                    kafka,
+                    nats,
+                    ids,
+                    all,
+                    group,
+                    matching,
+                }) => {
+                    let target = match (log_dir, kafka, nats) {
+                        (_, Some(brokers), _) => commands::ReplayTarget::Kafka(brokers),
+                        (_, None, Some(url)) => commands::ReplayTarget::Nats(url),
+                        (Some(dir), None, None) => commands::ReplayTarget::Log(dir),
+                        (None, None, None) => return Err(anyhow::anyhow!("give --log-dir, --kafka or --nats")),
                     };
                     commands::replay_dead_letters(&db, &target, &ids, all, group.as_deref(), matching.as_deref()).await
                 }

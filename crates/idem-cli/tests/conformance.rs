@@ -1,6 +1,8 @@
-//! The source conformance suite: one set of checks that every source passes, run here on the embedded log and on
-//! Kafka (at `IDEM_KAFKA_BROKERS`, default 127.0.0.1:9092), through real consumer processes (`idem demo-worker`)
-//! writing to a SQLite ledger:
+//! The source conformance suite: one set of checks that every source passes, run here on the embedded log, on
+//! Kafka (at `IDEM_KAFKA_BROKERS`, default 127.0.0.1:9092) and on NATS JetStream (at `IDEM_NATS_URL`, default
+//! nats://127.0.0.1:4222; with the default and with the strict-order setting), through real consumer processes
+//! (`idem demo-worker`) writing to a SQLite ledger (`IDEM_CONFORMANCE_ONLY=nats` runs the sources whose name
+//! contains `nats`):
 //!
 //! * order within a partition (events of one key are applied in the order they were produced);
 //! * exactly one effect per event, with producer duplicates and a poison message that does not block its
@@ -8,7 +10,12 @@
 //! * acknowledgement only after commit, and redelivery of what was not acknowledged, across SIGKILL before and
 //!   after the commit and a restart;
 //! * SIGTERM acknowledges what committed and nothing more (the next consumer sees no duplicate and misses none);
-//! * a revocation drains the batch in hand (sources that revoke: Kafka, when a second consumer joins).
+//! * a revocation drains the batch in hand (sources that revoke: Kafka, when a second consumer joins);
+//! * a replayed dead letter comes back through the source it came from.
+//!
+//! Order after a redelivery is checked on the sources that keep it ([`Broker::orders_redeliveries`]); NATS
+//! JetStream keeps it only with one message in flight. Beside the suite: a NATS server of the test's own killed
+//! and restarted mid-run.
 //!
 //! A new source adds a [`Broker`] and runs the same functions.
 
@@ -237,6 +244,7 @@ struct Worker {
     lines: mpsc::Receiver<Value>,
     processed: u64,
     duplicate: u64,
+    dead_lettered: u64,
     /// The partitions it reported after each rebalance (Kafka only).
     assignments: Vec<Vec<i64>>,
     /// Where the process's standard error goes, shown when it ends badly.
@@ -248,6 +256,7 @@ struct Ended {
     status: std::process::ExitStatus,
     processed: u64,
     duplicate: u64,
+    dead_lettered: u64,
     stderr: String,
 }
 
@@ -291,13 +300,22 @@ impl Worker {
                 }
             }
         });
-        Worker { child, lines, processed: 0, duplicate: 0, assignments: Vec::new(), stderr: stderr_path }
+        Worker {
+            child,
+            lines,
+            processed: 0,
+            duplicate: 0,
+            dead_lettered: 0,
+            assignments: Vec::new(),
+            stderr: stderr_path,
+        }
     }
 
     fn absorb(&mut self) {
         while let Ok(value) = self.lines.try_recv() {
             self.processed += value["processed"].as_u64().unwrap_or(0);
             self.duplicate += value["duplicate"].as_u64().unwrap_or(0);
+            self.dead_lettered += value["dead_lettered"].as_u64().unwrap_or(0);
             if let Some(assigned) = value["assigned"].as_array() {
                 self.assignments.push(assigned.iter().filter_map(Value::as_i64).collect());
             }
@@ -312,7 +330,13 @@ impl Worker {
                 std::thread::sleep(Duration::from_millis(50));
                 self.absorb();
                 let stderr = std::fs::read_to_string(&self.stderr).unwrap_or_default();
-                return Ended { status, processed: self.processed, duplicate: self.duplicate, stderr };
+                return Ended {
+                    status,
+                    processed: self.processed,
+                    duplicate: self.duplicate,
+                    dead_lettered: self.dead_lettered,
+                    stderr,
+                };
             }
             assert!(Instant::now() < deadline, "a consumer did not exit");
             std::thread::sleep(Duration::from_millis(20));
@@ -456,6 +480,35 @@ fn a_revocation_drains_the_batch_in_hand() {
         first.wait().assert_success(&format!("{name}: the first consumer"));
         second.wait().assert_success(&format!("{name}: the second consumer"));
         assert_exactly_once_in_order(&run, name, true);
+    }
+}
+
+/// `idem dead-letters replay` publishes a dead letter back to the source it came from (the first two consumer
+/// arguments name it: `--log-dir D`, `--kafka B`, `--nats U`): the next consumer gets it again. The poison message
+/// fails again, so it is dead-lettered a second time, and nothing else is applied twice.
+#[test]
+fn a_replayed_dead_letter_comes_back_through_its_source() {
+    for broker in sources() {
+        let run = run(&broker, "replay");
+        finish(&run);
+        let out = idem(&[
+            "dead-letters",
+            "replay",
+            &run.worker_args[0],
+            &run.worker_args[1],
+            "--all",
+            "--database-url",
+            &run.url,
+            "--table-prefix",
+            "idem_demo_",
+        ]);
+        assert!(out.status.success(), "{}: {}", broker.name(), String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("1 dead letter(s) replayed"), "{}", broker.name());
+        let again = Worker::start(&run, None, false, 20).wait();
+        again.assert_success(&format!("{}: the consumer after the replay", broker.name()));
+        assert_eq!(again.dead_lettered, 1, "{}: the replayed poison message came back", broker.name());
+        assert_eq!(again.processed, 0, "{}: nothing else is applied again", broker.name());
+        assert_eq!(scalar(&run, "SELECT COUNT(*) FROM idem_demo_ledger"), run.expected as i64, "{}", broker.name());
     }
 }
 

@@ -101,11 +101,16 @@ fn stamp(headers: &[(String, Vec<u8>)]) -> Result<(HeaderMap, String), SourceErr
 }
 
 impl Publisher for NatsProducer {
-    /// Publishes to the message's subject, which the NATS source keeps in [`Message::key`].
+    /// Publishes to the message's subject, which the NATS source keeps in [`Message::key`], under a new
+    /// `Nats-Msg-Id`: a replay is a deliberate second publication, which the server's duplicate window must not
+    /// drop. The event id (`idem-event-id`) stays, so the markers still recognise the event.
     async fn publish(&self, message: &Message) -> Result<(), SourceError> {
         let subject = message.key.as_deref().and_then(|k| std::str::from_utf8(k).ok()).ok_or_else(|| {
             SourceError::permanent("nats publish", "the message has no subject (its key): it did not come from NATS")
         })?;
-        self.send(subject, &message.payload, &message.headers).await.map(drop)
+        let mut headers: Vec<(String, Vec<u8>)> =
+            message.headers.iter().filter(|(name, _)| name != MSG_ID_HEADER).cloned().collect();
+        headers.push((MSG_ID_HEADER.to_owned(), uuid::Uuid::now_v7().to_string().into_bytes()));
+        self.send(subject, &message.payload, &headers).await.map(drop)
     }
 }
