@@ -119,6 +119,8 @@ pub enum ReplayTarget {
     Kafka(String),
     /// A NATS JetStream server: each message goes back to its subject.
     Nats(String),
+    /// A RabbitMQ server: each message goes back to its queue.
+    Rabbitmq(String),
 }
 
 /// `idem dead-letters replay`.
@@ -157,6 +159,7 @@ pub async fn replay_dead_letters(
             replay_through(&db, &tables, &idem::kafka::KafkaProducer::new(brokers)?, &letters).await?
         }
         ReplayTarget::Nats(url) => replay_nats(&db, &tables, url, &letters).await?,
+        ReplayTarget::Rabbitmq(url) => replay_rabbitmq(&db, &tables, url, &letters).await?,
     };
     println!("{replayed} dead letter(s) replayed");
     Ok(ExitCode::SUCCESS)
@@ -170,6 +173,16 @@ async fn replay_nats(db: &Db, tables: &Tables, url: &str, letters: &[DeadLetter]
 #[cfg(not(feature = "nats"))]
 async fn replay_nats(_: &Db, _: &Tables, _: &str, _: &[DeadLetter]) -> anyhow::Result<u64> {
     bail!("--nats: this idem is built without the `nats` feature")
+}
+
+#[cfg(feature = "rabbitmq")]
+async fn replay_rabbitmq(db: &Db, tables: &Tables, url: &str, letters: &[DeadLetter]) -> anyhow::Result<usize> {
+    replay_through(db, tables, &idem::rabbitmq::RabbitProducer::connect(url).await?, letters).await
+}
+
+#[cfg(not(feature = "rabbitmq"))]
+async fn replay_rabbitmq(_: &Db, _: &Tables, _: &str, _: &[DeadLetter]) -> anyhow::Result<usize> {
+    bail!("--rabbitmq: this idem is built without the `rabbitmq` feature")
 }
 
 async fn replay_through<P: Publisher>(

@@ -147,14 +147,17 @@ enum DeadLetterCommand {
         #[command(flatten)]
         db: DbArgs,
         /// The embedded log to publish to.
-        #[arg(long, required_unless_present_any = ["kafka", "nats"], conflicts_with_all = ["kafka", "nats"])]
+        #[arg(long, required_unless_present_any = ["kafka", "nats", "rabbitmq"], conflicts_with_all = ["kafka", "nats", "rabbitmq"])]
         log_dir: Option<PathBuf>,
         /// The Kafka brokers to publish to (host:port), instead of an embedded log.
-        #[arg(long, conflicts_with = "nats")]
+        #[arg(long, conflicts_with_all = ["nats", "rabbitmq"])]
         kafka: Option<String>,
         /// The NATS server to publish to (nats://host:port): each message goes back to the subject it came from.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "rabbitmq")]
         nats: Option<String>,
+        /// The RabbitMQ server to publish to (amqp://…): each message goes back to the queue it came from.
+        #[arg(long)]
+        rabbitmq: Option<String>,
         /// Dead-letter ids to replay (see `list`).
         ids: Vec<i64>,
         /// Replay every dead letter (of --group, if given).
@@ -238,16 +241,20 @@ fn main() -> ExitCode {
                     log_dir,
                     kafka,
                     nats,
+                    rabbitmq,
                     ids,
                     all,
                     group,
                     matching,
                 }) => {
-                    let target = match (log_dir, kafka, nats) {
-                        (_, Some(brokers), _) => commands::ReplayTarget::Kafka(brokers),
-                        (_, None, Some(url)) => commands::ReplayTarget::Nats(url),
-                        (Some(dir), None, None) => commands::ReplayTarget::Log(dir),
-                        (None, None, None) => return Err(anyhow::anyhow!("give --log-dir, --kafka or --nats")),
+                    let target = match (log_dir, kafka, nats, rabbitmq) {
+                        (_, Some(brokers), _, _) => commands::ReplayTarget::Kafka(brokers),
+                        (_, None, Some(url), _) => commands::ReplayTarget::Nats(url),
+                        (_, None, None, Some(url)) => commands::ReplayTarget::Rabbitmq(url),
+                        (Some(dir), None, None, None) => commands::ReplayTarget::Log(dir),
+                        (None, None, None, None) => {
+                            return Err(anyhow::anyhow!("give --log-dir, --kafka, --nats or --rabbitmq"));
+                        }
                     };
                     commands::replay_dead_letters(&db, &target, &ids, all, group.as_deref(), matching.as_deref()).await
                 }

@@ -176,6 +176,64 @@ impl Broker for Nats {
     }
 }
 
+/// RabbitMQ: one queue per partition, each key's events published to one of them (so each key keeps its order).
+struct Rabbit;
+
+fn rabbitmq_url() -> String {
+    std::env::var("IDEM_RABBITMQ_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
+}
+
+impl Rabbit {
+    fn queues(name: &str) -> Vec<String> {
+        (0..PARTITIONS).map(|p| format!("{name}-{p}")).collect()
+    }
+}
+
+impl Broker for Rabbit {
+    fn name(&self) -> &'static str {
+        "rabbitmq"
+    }
+
+    fn produce(&self, dir: &Path, records: &[(String, String)]) -> Vec<String> {
+        let name = dir.file_name().unwrap().to_string_lossy().replace('.', "-");
+        let queues = Rabbit::queues(&name);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let url = rabbitmq_url();
+            for (n, queue) in queues.iter().enumerate() {
+                // A quorum queue and classic ones: both kinds pass.
+                idem::rabbitmq::create_queue(&url, queue, n == 0).await.unwrap();
+            }
+            let producer = idem::rabbitmq::RabbitProducer::connect(&url).await.unwrap();
+            let messages: Vec<(String, Vec<u8>)> = records
+                .iter()
+                .map(|(key, payload)| {
+                    let queue = &queues[key.parse::<usize>().unwrap_or(0) % queues.len()];
+                    (queue.clone(), payload.clone().into_bytes())
+                })
+                .collect();
+            producer.send_in_order(&messages).await.unwrap();
+        });
+        let mut args = vec!["--rabbitmq".into(), rabbitmq_url(), "--group".into(), name];
+        for queue in queues {
+            args.push("--queue".into());
+            args.push(queue);
+        }
+        args
+    }
+
+    fn revokes(&self) -> bool {
+        false
+    }
+
+    fn remove(&self, worker_args: &[String]) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        for pair in worker_args.windows(2).filter(|w| w[0] == "--queue") {
+            let _ = runtime.block_on(idem::rabbitmq::delete_queue(&rabbitmq_url(), &pair[1]));
+        }
+    }
+}
+
 /// Every source, or those whose name contains `IDEM_CONFORMANCE_ONLY` when it is set.
 fn sources() -> Vec<Arc<dyn Broker>> {
     let all: Vec<Arc<dyn Broker>> = vec![
@@ -183,6 +241,7 @@ fn sources() -> Vec<Arc<dyn Broker>> {
         Arc::new(Kafka),
         Arc::new(Nats { strict: false, url: nats_url() }),
         Arc::new(Nats { strict: true, url: nats_url() }),
+        Arc::new(Rabbit),
     ];
     let only = std::env::var("IDEM_CONFORMANCE_ONLY").unwrap_or_default();
     all.into_iter().filter(|b| b.name().contains(only.as_str())).collect()

@@ -71,6 +71,8 @@ pub mod message;
 #[cfg(feature = "nats")]
 pub mod nats;
 pub mod prune;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 pub mod retention;
 pub mod source;
 pub mod store;

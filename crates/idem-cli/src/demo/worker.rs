@@ -19,8 +19,18 @@ use super::{GROUP, PREFIX, TOPIC};
 #[derive(clap::Args, Debug)]
 pub struct WorkerArgs {
     /// The embedded log's directory.
-    #[arg(long, required_unless_present_any = ["kafka", "nats"])]
+    #[arg(long, required_unless_present_any = ["kafka", "nats", "rabbitmq"])]
     log_dir: Option<PathBuf>,
+    /// RabbitMQ server (instead of the embedded log), amqp://user:password@host:port/vhost: consumes every
+    /// `--queue`, each one partition.
+    #[arg(long, conflicts_with_all = ["kafka", "log_dir", "nats"])]
+    rabbitmq: Option<String>,
+    /// RabbitMQ: a queue to consume; repeatable (default: the topic).
+    #[arg(long = "queue")]
+    queues: Vec<String>,
+    /// RabbitMQ: unacknowledged deliveries per queue (default: the batch size; 1 keeps strict order).
+    #[arg(long)]
+    prefetch: Option<u16>,
     /// NATS server (instead of the embedded log): the topic is the JetStream stream, the group its durable
     /// consumer.
     #[arg(long, conflicts_with_all = ["kafka", "log_dir"])]
@@ -98,6 +108,9 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     if let Some(url) = &args.nats {
         return nats(url, &args, config, db, credit, signals).await;
     }
+    if let Some(url) = &args.rabbitmq {
+        return rabbitmq(url, &args, config, db, credit, signals).await;
+    }
     match (&args.kafka, &args.log_dir) {
         (Some(brokers), _) => {
             let mut kafka = idem::kafka::KafkaConfig::new(brokers.as_str(), &[args.topic.as_str()]);
@@ -118,7 +131,7 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
             let source = log.consumer(&args.group, &[args.topic.as_str()], options)?;
             with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, signals).await?);
         }
-        (None, None) => bail!("give --log-dir, --kafka or --nats"),
+        (None, None) => bail!("give --log-dir, --kafka, --nats or --rabbitmq"),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -143,6 +156,34 @@ async fn nats(
     let source = idem::nats::NatsSource::connect(&nats, &config).await?;
     with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, signals).await?);
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(feature = "rabbitmq")]
+async fn rabbitmq(
+    url: &str,
+    args: &WorkerArgs,
+    config: Config,
+    db: Db,
+    credit: Credit,
+    signals: Signals,
+) -> anyhow::Result<ExitCode> {
+    let queues: Vec<&str> = match args.queues.is_empty() {
+        true => vec![args.topic.as_str()],
+        false => args.queues.iter().map(String::as_str).collect(),
+    };
+    let rabbit = idem::rabbitmq::RabbitConfig {
+        prefetch: args.prefetch,
+        stop_at_end: !args.follow,
+        ..idem::rabbitmq::RabbitConfig::new(url, &queues)
+    };
+    let source = idem::rabbitmq::RabbitSource::connect(&rabbit, &config).await?;
+    with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, signals).await?);
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(not(feature = "rabbitmq"))]
+async fn rabbitmq(_: &str, _: &WorkerArgs, _: Config, _: Db, _: Credit, _: Signals) -> anyhow::Result<ExitCode> {
+    bail!("--rabbitmq: this idem is built without the `rabbitmq` feature")
 }
 
 #[cfg(not(feature = "nats"))]

@@ -1,0 +1,227 @@
+//! The RabbitMQ source: one connection and channel, one consumer per queue, deliveries merged into one channel
+//! of their own; each delivery acknowledged by its own tag after its transaction commits.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use tokio::sync::mpsc;
+
+use super::{RabbitConfig, connect};
+use crate::error::Error;
+use crate::message::{AckHandle, Message};
+use crate::source::{Acknowledgement, Drained, Partition, Received, Source, SourceError};
+
+/// How long `recv` waits for a delivery before it checks whether the queues are empty (with `stop_at_end`).
+const IDLE_CHECK: Duration = Duration::from_secs(1);
+
+/// What a queue's consumer task hands on.
+enum Arrival {
+    Delivery(String, Delivery),
+    /// The consumer stream failed or ended: the connection, the channel or the consumer is gone.
+    Lost(String),
+}
+
+/// A connection with its channel and the consumers of every queue.
+struct Session {
+    connection: lapin::Connection,
+    channel: lapin::Channel,
+    arrivals: mpsc::Receiver<Arrival>,
+    consumers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Session {
+    async fn close(self) {
+        for consumer in &self.consumers {
+            consumer.abort();
+        }
+        let _ = self.connection.close(200, "idem: reconnecting".into()).await;
+    }
+}
+
+/// Consumes RabbitMQ queues as a [`Source`]. See the module documentation of [`crate::rabbitmq`].
+pub struct RabbitSource {
+    config: RabbitConfig,
+    prefetch: u16,
+    session: tokio::sync::Mutex<Option<Session>>,
+}
+
+impl RabbitSource {
+    /// Validates `config`, connects (naming the server and the cause when it cannot), checks that every queue
+    /// exists (naming the missing one) and starts consuming with manual acknowledgement.
+    pub async fn connect(config: &RabbitConfig, engine: &crate::Config) -> Result<Self, Error> {
+        config.validate()?;
+        engine.validate()?;
+        let connection = connect(&config.url).await?;
+        for queue in &config.queues {
+            // A passive declaration of a missing queue closes its channel: one channel per check.
+            let channel =
+                connection.create_channel().await.map_err(|e| Error::Config(format!("rabbitmq channel: {e}")))?;
+            let options = QueueDeclareOptions { passive: true, ..Default::default() };
+            if let Err(e) = channel.queue_declare(queue.as_str().into(), options, FieldTable::default()).await {
+                return Err(Error::Config(format!(
+                    "rabbitmq queue {queue}: {e}. Fix: declare the queue (durable; a quorum queue for replication) or \
+                     name an existing one"
+                )));
+            }
+            let _ = channel.close(200, "".into()).await;
+        }
+        let _ = connection.close(200, "".into()).await;
+        let prefetch = config.prefetch.unwrap_or_else(|| engine.batch_size.clamp(1, usize::from(u16::MAX)) as u16);
+        let source = RabbitSource { config: config.clone(), prefetch, session: tokio::sync::Mutex::new(None) };
+        let session = source.open().await.map_err(|e| Error::Config(e.to_string()))?;
+        *source.session.lock().await = Some(session);
+        tracing::info!(queues = ?config.queues, prefetch, "rabbitmq: consuming");
+        Ok(source)
+    }
+
+    /// Connects, sets the prefetch and starts a consumer on every queue.
+    async fn open(&self) -> Result<Session, SourceError> {
+        let connection = connect(&self.config.url).await.map_err(|e| SourceError::transient("rabbitmq connect", e))?;
+        let channel = connection.create_channel().await.map_err(|e| SourceError::transient("rabbitmq channel", e))?;
+        channel
+            .basic_qos(self.prefetch, BasicQosOptions { global: false })
+            .await
+            .map_err(|e| SourceError::transient("rabbitmq basic.qos", e))?;
+        let (tx, arrivals) = mpsc::channel(usize::from(self.prefetch) * self.config.queues.len() + 16);
+        let mut consumers = Vec::with_capacity(self.config.queues.len());
+        for queue in &self.config.queues {
+            let options = BasicConsumeOptions { no_ack: false, ..Default::default() };
+            let mut consumer = channel
+                .basic_consume(queue.as_str().into(), "".into(), options, FieldTable::default())
+                .await
+                .map_err(|e| SourceError::transient("rabbitmq basic.consume", format!("queue {queue}: {e}")))?;
+            let (tx, queue) = (tx.clone(), queue.clone());
+            consumers.push(tokio::spawn(async move {
+                while let Some(delivery) = consumer.next().await {
+                    let arrival = match delivery {
+                        Ok(delivery) => Arrival::Delivery(queue.clone(), delivery),
+                        Err(e) => Arrival::Lost(format!("queue {queue}: {e}")),
+                    };
+                    let lost = matches!(arrival, Arrival::Lost(_));
+                    if tx.send(arrival).await.is_err() || lost {
+                        return;
+                    }
+                }
+                let _ = tx.send(Arrival::Lost(format!("the consumer of queue {queue} was cancelled"))).await;
+            }));
+        }
+        Ok(Session { connection, channel, arrivals, consumers })
+    }
+
+    /// Whether every queue is empty (ready messages; what this consumer holds is drained by the engine).
+    async fn all_empty(&self, session: &Session) -> Result<bool, SourceError> {
+        for queue in &self.config.queues {
+            let options = QueueDeclareOptions { passive: true, ..Default::default() };
+            let declared = session
+                .channel
+                .queue_declare(queue.as_str().into(), options, FieldTable::default())
+                .await
+                .map_err(|e| SourceError::transient("rabbitmq queue.declare", e))?;
+            if declared.message_count() > 0 {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    fn partitions(&self) -> Vec<Partition> {
+        self.config.queues.iter().map(|q| Partition { topic: q.clone(), partition: 0 }).collect()
+    }
+}
+
+fn to_message(queue: String, delivery: Delivery) -> Message {
+    if delivery.redelivered {
+        metrics::counter!("rabbitmq_redelivered_total", "queue" => queue.clone()).increment(1);
+    }
+    let headers = delivery.properties.headers().as_ref().map(header_pairs).unwrap_or_default();
+    let timestamp_ms = delivery.properties.timestamp().map(|seconds| (seconds as i64).saturating_mul(1000));
+    Message {
+        topic: queue,
+        partition: 0,
+        offset: delivery.delivery_tag as i64,
+        key: Some(delivery.routing_key.as_str().as_bytes().to_vec()),
+        payload: delivery.data,
+        headers,
+        timestamp_ms,
+        ack_handle: Some(AckHandle::new(delivery.acker)),
+    }
+}
+
+/// The headers that carry text or bytes, as (name, bytes); numbers and booleans as their text.
+fn header_pairs(table: &FieldTable) -> Vec<(String, Vec<u8>)> {
+    table
+        .inner()
+        .iter()
+        .filter_map(|(name, value)| {
+            let bytes = match value {
+                AMQPValue::LongString(s) => s.as_bytes().to_vec(),
+                AMQPValue::ShortString(s) => s.as_str().as_bytes().to_vec(),
+                AMQPValue::ByteArray(b) => b.as_slice().to_vec(),
+                AMQPValue::Boolean(b) => b.to_string().into_bytes(),
+                AMQPValue::LongLongInt(n) => n.to_string().into_bytes(),
+                AMQPValue::LongInt(n) => n.to_string().into_bytes(),
+                AMQPValue::LongUInt(n) => n.to_string().into_bytes(),
+                _ => return None,
+            };
+            Some((name.as_str().to_owned(), bytes))
+        })
+        .collect()
+}
+
+impl Source for RabbitSource {
+    async fn recv(&self) -> Result<Option<Received>, SourceError> {
+        let mut session = self.session.lock().await;
+        loop {
+            let current = match session.as_mut() {
+                Some(current) => current,
+                None => session.insert(self.open().await?),
+            };
+            let lost = match tokio::time::timeout(IDLE_CHECK, current.arrivals.recv()).await {
+                Ok(Some(Arrival::Delivery(queue, delivery))) => {
+                    return Ok(Some(Received::Message(to_message(queue, delivery))));
+                }
+                Ok(Some(Arrival::Lost(reason))) => reason,
+                Ok(None) => "every consumer ended".to_owned(),
+                Err(_idle) if self.config.stop_at_end && self.all_empty(current).await? => {
+                    tracing::info!(queues = ?self.config.queues, "rabbitmq: every queue is empty");
+                    return Ok(None);
+                }
+                Err(_idle) => continue,
+            };
+            tracing::warn!(reason = %lost, "rabbitmq: connection, channel or consumer lost; draining, then connecting again");
+            if let Some(old) = session.take() {
+                old.close().await;
+            }
+            // The engine drains these partitions before it asks for the next message; the broker has put back
+            // what this channel held, so nothing waits on the drain here.
+            let (drained, _done) = Drained::channel();
+            return Ok(Some(Received::Revoked { partitions: self.partitions(), drained }));
+        }
+    }
+
+    async fn ack(&self, ack: &Acknowledgement) -> Result<(), SourceError> {
+        for handle in &ack.handles {
+            let Some(acker) = handle.get::<lapin::Acker>() else {
+                return Err(SourceError::permanent("rabbitmq ack", "a handle that is not a RabbitMQ delivery"));
+            };
+            acker
+                .ack(BasicAckOptions { multiple: false })
+                .await
+                .map_err(|e| SourceError::transient("rabbitmq ack", e))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RabbitSource {
+    fn drop(&mut self) {
+        if let Some(session) = self.session.get_mut().take() {
+            for consumer in &session.consumers {
+                consumer.abort();
+            }
+        }
+    }
+}

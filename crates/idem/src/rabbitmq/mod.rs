@@ -1,0 +1,169 @@
+//! RabbitMQ (feature `rabbitmq`, AMQP 0-9-1): a [`RabbitSource`] on the source seam and a [`RabbitProducer`] with
+//! publisher confirms.
+//!
+//! * **Acknowledgement.** Manual only: each delivery is acknowledged (`basic.ack`, one tag, never `multiple`)
+//!   after the transaction holding its marker committed. Consuming with `no_ack` (auto-ack) is refused at
+//!   start-up, naming the setting.
+//! * **Prefetch.** `basic.qos` per consumer, the engine's batch size unless [`RabbitConfig::prefetch`] says
+//!   otherwise; `prefetch = 1` is document 003's strict-order setting (one message in flight per queue).
+//! * **Partitions.** Each queue is one partition of idem's (its name is the topic, partition 0): queues are
+//!   handled in parallel, each in order. For per-key order over several queues, route each key to one queue (a
+//!   direct exchange with one routing key per key range, or the `x-consistent-hash` exchange), and run one
+//!   consumer per queue (`x-single-active-consumer` on the queue keeps a second process as a standby).
+//! * **Loss of the connection, the channel or a consumer** (a broker restart, a queue deleted, a consumer
+//!   cancelled by the server): the source yields a revocation of its queues, so the engine finishes what it holds
+//!   (its acknowledgements then fail on the dead channel: those messages come again, flagged `redelivered`, and
+//!   are absorbed as duplicates), then connects again with backoff.
+//! * **Dead letters** are idem's: a message that fails for good is written to the dead-letter table in the same
+//!   transaction as its marker, then acknowledged. A queue's own `x-dead-letter-exchange` still catches what
+//!   RabbitMQ rejects by itself (expired messages, an overflowing queue).
+
+mod consumer;
+mod producer;
+
+pub use consumer::RabbitSource;
+pub use producer::RabbitProducer;
+
+use crate::error::Error;
+
+/// How to reach RabbitMQ and consume its queues.
+#[derive(Debug, Clone)]
+pub struct RabbitConfig {
+    /// The server, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f`.
+    pub url: String,
+    /// The queues to consume; each is one partition.
+    pub queues: Vec<String>,
+    /// Unacknowledged deliveries per queue; `None` uses the engine's batch size. `Some(1)` keeps strict order.
+    pub prefetch: Option<u16>,
+    /// Consume without acknowledgements (auto-ack). Always refused: it is here so a configuration that asks for
+    /// it is named in the error instead of being ignored.
+    pub no_ack: bool,
+    /// Return the end of the source once every queue is empty and nothing arrived for a second (demos, tests).
+    pub stop_at_end: bool,
+}
+
+impl RabbitConfig {
+    /// A configuration with defaults: manual acknowledgement, prefetch of one batch.
+    pub fn new(url: impl Into<String>, queues: &[&str]) -> Self {
+        RabbitConfig {
+            url: url.into(),
+            queues: queues.iter().map(|q| (*q).to_owned()).collect(),
+            prefetch: None,
+            no_ack: false,
+            stop_at_end: false,
+        }
+    }
+
+    /// Refuses what cannot work, naming the setting and the fix.
+    pub fn validate(&self) -> Result<(), Error> {
+        if !self.url.starts_with("amqp://") {
+            return Err(Error::Config(format!(
+                "rabbitmq url `{}` is not amqp://user:password@host:port/vhost (amqps:// needs TLS, which this build \
+                 leaves out)",
+                self.url
+            )));
+        }
+        if self.queues.is_empty() || self.queues.iter().any(|q| q.trim().is_empty()) {
+            return Err(Error::Config("rabbitmq queues: name at least one queue, none empty".into()));
+        }
+        if self.no_ack {
+            return Err(Error::Config(
+                "rabbitmq no_ack=true (auto-ack) is refused: the broker would count each message as handled when it \
+                 is delivered, before the database, so a crash would lose it. Fix: remove no_ack (idem acknowledges \
+                 each message after its transaction commits)"
+                    .into(),
+            ));
+        }
+        if self.prefetch == Some(0) {
+            return Err(Error::Config(
+                "rabbitmq prefetch 0 means no limit: every message of the queue would be in flight at once. Fix: use \
+                 1 (strict order) up to a few batches"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Connects to `url`, naming the server and the cause when it cannot (wrong address, wrong credentials, a
+/// missing virtual host).
+pub async fn connect(url: &str) -> Result<lapin::Connection, Error> {
+    let connecting = lapin::Connection::connect(url, lapin::ConnectionProperties::default());
+    match tokio::time::timeout(std::time::Duration::from_secs(10), connecting).await {
+        Ok(Ok(connection)) => Ok(connection),
+        Ok(Err(e)) => Err(Error::Connect { target: format!("rabbitmq {}", redact(url)), reason: e.to_string() }),
+        Err(_) => {
+            Err(Error::Connect { target: format!("rabbitmq {}", redact(url)), reason: "timed out after 10 s".into() })
+        }
+    }
+}
+
+/// The URL without its password, for logs and errors.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.find('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let credentials = &url[scheme + 3..at];
+            match credentials.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// Declares durable queue `name` (a quorum queue when `quorum`), for demos and tests; production queues are an
+/// operator's decision.
+pub async fn create_queue(url: &str, name: &str, quorum: bool) -> Result<(), Error> {
+    use lapin::types::{AMQPValue, FieldTable};
+    let connection = connect(url).await?;
+    let channel = connection.create_channel().await.map_err(|e| Error::Config(format!("rabbitmq channel: {e}")))?;
+    let mut arguments = FieldTable::default();
+    if quorum {
+        arguments.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    }
+    let options = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
+    channel
+        .queue_declare(name.into(), options, arguments)
+        .await
+        .map_err(|e| Error::Config(format!("rabbitmq: cannot declare queue {name}: {e}")))?;
+    let _ = connection.close(200, "".into()).await;
+    Ok(())
+}
+
+/// Deletes queue `name`; a missing queue is not an error.
+pub async fn delete_queue(url: &str, name: &str) -> Result<(), Error> {
+    let connection = connect(url).await?;
+    let channel = connection.create_channel().await.map_err(|e| Error::Config(format!("rabbitmq channel: {e}")))?;
+    let deleted = channel.queue_delete(name.into(), lapin::options::QueueDeleteOptions::default()).await;
+    let _ = connection.close(200, "".into()).await;
+    match deleted {
+        Ok(_) => Ok(()),
+        Err(e) if e.to_string().contains("NOT_FOUND") => Ok(()),
+        Err(e) => Err(Error::Config(format!("rabbitmq: cannot delete queue {name}: {e}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_ack_a_bad_url_no_queue_and_prefetch_0_are_refused_by_name() {
+        let base = RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f", &["orders"]);
+        base.validate().unwrap();
+        let err = RabbitConfig { no_ack: true, ..base.clone() }.validate().unwrap_err().to_string();
+        assert!(err.contains("no_ack=true") && err.contains("Fix"), "{err}");
+        assert!(RabbitConfig { url: "http://x".into(), ..base.clone() }.validate().is_err());
+        assert!(RabbitConfig { queues: vec![], ..base.clone() }.validate().is_err());
+        let err = RabbitConfig { prefetch: Some(0), ..base.clone() }.validate().unwrap_err().to_string();
+        assert!(err.contains("prefetch 0"), "{err}");
+        assert!(RabbitConfig { prefetch: Some(1), ..base }.validate().is_ok());
+    }
+
+    #[test]
+    fn passwords_stay_out_of_errors() {
+        assert_eq!(redact("amqp://guest:secret@host:5672/%2f"), "amqp://guest:***@host:5672/%2f");
+        assert_eq!(redact("amqp://host:5672"), "amqp://host:5672");
+    }
+}
