@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs idem's whole test suite: makes sure the services the tests use are up, then `cargo test`.
 # Kafka: the cluster at $IDEM_KAFKA_BROKERS, or scripts/kafka.sh starts a Kafka-compatible broker on 127.0.0.1:9092.
-# NATS JetStream: the server at $IDEM_NATS_URL, or 127.0.0.1:4222 (started if it is stopped).
+# NATS JetStream: the server at $IDEM_NATS_URL, or 127.0.0.1:4222 (started if it is stopped); RabbitMQ: the server
+# at $IDEM_RABBITMQ_URL, or 127.0.0.1:5672 (started if it is stopped).
 # PostgreSQL must be installed (127.0.0.1:5432, trust auth for user postgres); it is started if it is stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,8 +46,26 @@ ensure_nats() {
   exit 1
 }
 
+# RabbitMQ: the server at $IDEM_RABBITMQ_URL, or the machine's on 127.0.0.1:5672, started if it is stopped.
+ensure_rabbitmq() {
+  if [ -n "${IDEM_RABBITMQ_URL:-}" ] || (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null; then return 0; fi
+  if ! command -v rabbitmq-server >/dev/null 2>&1; then
+    echo "RabbitMQ is not running on 127.0.0.1:5672 and rabbitmq-server is not installed; the RabbitMQ tests need it" >&2
+    exit 1
+  fi
+  echo "starting rabbitmq-server…"
+  rabbitmq-server -detached
+  for _ in $(seq 1 60); do
+    (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null && return 0
+    sleep 1
+  done
+  echo "rabbitmq-server did not come up on 127.0.0.1:5672" >&2
+  exit 1
+}
+
 ensure_postgres
 ensure_nats
+ensure_rabbitmq
 # Kafka: a cluster named by IDEM_KAFKA_BROKERS, or the project's broker on 127.0.0.1:9092 (scripts/kafka.sh).
 if [ -z "${IDEM_KAFKA_BROKERS:-}" ]; then
   scripts/kafka.sh up

@@ -177,7 +177,10 @@ impl Broker for Nats {
 }
 
 /// RabbitMQ: one queue per partition, each key's events published to one of them (so each key keeps its order).
-struct Rabbit;
+/// The consumer reaches the server at `consumer_url` (a proxy of the test's own) when one is given.
+struct Rabbit {
+    consumer_url: Option<String>,
+}
 
 fn rabbitmq_url() -> String {
     std::env::var("IDEM_RABBITMQ_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
@@ -214,7 +217,8 @@ impl Broker for Rabbit {
                 .collect();
             producer.send_in_order(&messages).await.unwrap();
         });
-        let mut args = vec!["--rabbitmq".into(), rabbitmq_url(), "--group".into(), name];
+        let consumer_url = self.consumer_url.clone().unwrap_or_else(rabbitmq_url);
+        let mut args = vec!["--rabbitmq".into(), consumer_url, "--group".into(), name];
         for queue in queues {
             args.push("--queue".into());
             args.push(queue);
@@ -241,7 +245,7 @@ fn sources() -> Vec<Arc<dyn Broker>> {
         Arc::new(Kafka),
         Arc::new(Nats { strict: false, url: nats_url() }),
         Arc::new(Nats { strict: true, url: nats_url() }),
-        Arc::new(Rabbit),
+        Arc::new(Rabbit { consumer_url: None }),
     ];
     let only = std::env::var("IDEM_CONFORMANCE_ONLY").unwrap_or_default();
     all.into_iter().filter(|b| b.name().contains(only.as_str())).collect()
@@ -647,5 +651,81 @@ fn nats_a_server_restart_mid_run_loses_nothing() {
     }
     worker.signal(libc::SIGTERM);
     worker.wait().assert_success("the consumer after the restart");
+    assert_exactly_once_in_order(&run, broker.name(), true);
+}
+
+/// A TCP proxy of the test's own in front of a shared server, so a test can cut its connections (and refuse new
+/// ones) without touching the server.
+struct CuttableProxy {
+    port: u16,
+    open: Arc<std::sync::atomic::AtomicBool>,
+    streams: Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl CuttableProxy {
+    fn start(target: &'static str) -> CuttableProxy {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let open = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let streams: Arc<std::sync::Mutex<Vec<std::net::TcpStream>>> = Arc::default();
+        let (accepting, kept) = (Arc::clone(&open), Arc::clone(&streams));
+        std::thread::spawn(move || {
+            for client in listener.incoming().map_while(Result::ok) {
+                if !accepting.load(Ordering::SeqCst) {
+                    continue; // dropped: refused while cut
+                }
+                let Ok(server) = std::net::TcpStream::connect(target) else { continue };
+                let mut kept = kept.lock().unwrap();
+                for (from, to) in [(&client, &server), (&server, &client)] {
+                    let (mut from, mut to) = (from.try_clone().unwrap(), to.try_clone().unwrap());
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+                kept.push(client);
+                kept.push(server);
+            }
+        });
+        CuttableProxy { port, open, streams }
+    }
+
+    /// Closes every proxied connection and refuses new ones.
+    fn cut(&self) {
+        self.open.store(false, Ordering::SeqCst);
+        for stream in self.streams.lock().unwrap().drain(..) {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    fn heal(&self) {
+        self.open.store(true, Ordering::SeqCst);
+    }
+}
+
+/// RabbitMQ: the consumer's connection is cut mid-run (through a proxy of the test's own, the shared server
+/// untouched) and refused for two seconds: the consumer drains, reconnects, and every event is applied exactly
+/// once, in order per key (the broker puts back what the dead channel held).
+#[test]
+fn rabbitmq_a_cut_connection_mid_run_loses_nothing() {
+    let proxy = CuttableProxy::start("127.0.0.1:5672");
+    let broker: Arc<dyn Broker> =
+        Arc::new(Rabbit { consumer_url: Some(format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port)) });
+    let run = run(&broker, "cut");
+    let mut worker = Worker::start_with(&run, None, true, 5, &["--handler-delay-ms", "5"]);
+    worker.until_processed(100);
+    assert!((worker.processed as usize) < run.expected, "the connection must be cut mid-run");
+    proxy.cut();
+    std::thread::sleep(Duration::from_secs(2));
+    proxy.heal();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while (worker.processed as usize) < run.expected {
+        assert!(Instant::now() < deadline, "processed only {} of {} after the cut", worker.processed, run.expected);
+        assert!(worker.child.try_wait().unwrap().is_none(), "the consumer exited during the outage");
+        std::thread::sleep(Duration::from_millis(50));
+        worker.absorb();
+    }
+    worker.signal(libc::SIGTERM);
+    worker.wait().assert_success("the consumer after the cut");
     assert_exactly_once_in_order(&run, broker.name(), true);
 }

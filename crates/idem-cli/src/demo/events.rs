@@ -170,6 +170,32 @@ pub async fn write_nats(_: &str, _: &str, _: &[(i64, String)]) -> anyhow::Result
     anyhow::bail!("--nats: this idem is built without the `nats` feature")
 }
 
+/// Declares `queues` (durable) and publishes each record to the queue of its account, in order.
+#[cfg(feature = "rabbitmq")]
+pub async fn write_rabbitmq(url: &str, queues: &[String], records: &[(i64, String)]) -> anyhow::Result<()> {
+    for queue in queues {
+        idem::rabbitmq::create_queue(url, queue, false).await?;
+    }
+    let producer = idem::rabbitmq::RabbitProducer::connect(url).await?;
+    for chunk in records.chunks(2000) {
+        let messages: Vec<(String, Vec<u8>)> = chunk
+            .iter()
+            .map(|(account, payload)| {
+                let queue = &queues[account.rem_euclid(queues.len() as i64) as usize];
+                (queue.clone(), payload.clone().into_bytes())
+            })
+            .collect();
+        producer.send_in_order(&messages).await?;
+    }
+    Ok(())
+}
+
+/// Without the `rabbitmq` feature: refused.
+#[cfg(not(feature = "rabbitmq"))]
+pub async fn write_rabbitmq(_: &str, _: &[String], _: &[(i64, String)]) -> anyhow::Result<()> {
+    anyhow::bail!("--rabbitmq: this idem is built without the `rabbitmq` feature")
+}
+
 fn drain_due(retries: &mut Vec<(u64, i64, String)>, n: u64) -> Vec<(u64, i64, String)> {
     let (due, later): (Vec<_>, Vec<_>) = std::mem::take(retries).into_iter().partition(|(at, _, _)| *at <= n);
     *retries = later;

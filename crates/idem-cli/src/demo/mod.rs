@@ -23,7 +23,7 @@ mod events;
 mod worker;
 
 use events::{Plan, generate, write_embedded};
-pub use events::{ProduceArgs, Rng, produce, write_kafka, write_nats};
+pub use events::{ProduceArgs, Rng, produce, write_kafka, write_nats, write_rabbitmq};
 use worker::CommitReport;
 pub use worker::{WorkerArgs, worker};
 
@@ -67,6 +67,10 @@ pub struct DemoArgs {
     /// and durable consumer per run, the stream removed at the end.
     #[arg(long, conflicts_with = "kafka")]
     nats: Option<String>,
+    /// Use the RabbitMQ server at this URL (amqp://user:password@host:port/vhost) instead of the embedded log: a
+    /// fresh queue per partition (each account's events in one of them), removed at the end.
+    #[arg(long, conflicts_with_all = ["kafka", "nats"])]
+    rabbitmq: Option<String>,
     /// Keep the log (and SQLite file) in this directory instead of a temporary one removed at the end.
     #[arg(long)]
     dir: Option<PathBuf>,
@@ -83,6 +87,7 @@ enum Transport {
     Embedded(PathBuf),
     Kafka { brokers: String, topic: String, group: String },
     Nats { url: String, stream: String, group: String },
+    Rabbitmq { url: String, queues: Vec<String>, group: String },
 }
 
 impl Transport {
@@ -110,6 +115,13 @@ impl Transport {
                 "--ack-wait-secs".into(),
                 "3".into(),
             ],
+            Transport::Rabbitmq { url, queues, group } => {
+                let mut args = vec!["--rabbitmq".into(), url.clone(), "--group".into(), group.clone()];
+                for queue in queues {
+                    args.extend(["--queue".to_owned(), queue.clone()]);
+                }
+                args
+            }
         }
     }
 }
@@ -171,6 +183,17 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let (plan, records) = generate(args.events, args.duplicates, seed);
     let run_id = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
     let transport = match (&args.kafka, &args.nats) {
+        (None, None) if args.rabbitmq.is_some() => {
+            let url = args.rabbitmq.clone().unwrap_or_default();
+            let queues: Vec<String> = (0..args.partitions).map(|p| format!("idem-demo-{run_id}-{p}")).collect();
+            let group = format!("{GROUP}-{run_id}");
+            let written = write_rabbitmq(&url, &queues, &records).await.context("producing the events to RabbitMQ");
+            if let Err(error) = written {
+                remove_rabbitmq_queues(&url, &queues).await;
+                return Err(error);
+            }
+            Transport::Rabbitmq { url, queues, group }
+        }
         (Some(brokers), _) => {
             let (topic, group) = (format!("idem-demo-{run_id}"), format!("{GROUP}-{run_id}"));
             write_kafka(brokers, &topic, args.partitions, &records).await.context("producing the events to Kafka")?;
@@ -204,8 +227,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     };
     let started = Instant::now();
     let consumed = consume(&args, &transport, &url, &plan, seed, &mut summary).await;
-    if let Transport::Nats { url, stream, .. } = &transport {
-        remove_nats_stream(url, stream).await;
+    match &transport {
+        Transport::Nats { url, stream, .. } => remove_nats_stream(url, stream).await,
+        Transport::Rabbitmq { url, queues, .. } => remove_rabbitmq_queues(url, queues).await,
+        Transport::Embedded(_) | Transport::Kafka { .. } => {}
     }
     consumed?;
     summary.consume_seconds = started.elapsed().as_secs_f64();
@@ -227,6 +252,18 @@ async fn remove_nats_stream(url: &str, stream: &str) {
 
 #[cfg(not(feature = "nats"))]
 async fn remove_nats_stream(_: &str, _: &str) {}
+
+#[cfg(feature = "rabbitmq")]
+async fn remove_rabbitmq_queues(url: &str, queues: &[String]) {
+    for queue in queues {
+        if let Err(error) = idem::rabbitmq::delete_queue(url, queue).await {
+            eprintln!("warning: the demo's queue {queue} was not removed: {error}");
+        }
+    }
+}
+
+#[cfg(not(feature = "rabbitmq"))]
+async fn remove_rabbitmq_queues(_: &str, _: &[String]) {}
 
 fn validate(args: &DemoArgs) -> anyhow::Result<()> {
     validate_events(args.events, args.duplicates, args.partitions)?;

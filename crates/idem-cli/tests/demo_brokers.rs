@@ -1,0 +1,79 @@
+//! `idem demo --nats` and `idem demo --rabbitmq`: the demo on the real servers (`IDEM_NATS_URL`, default
+//! nats://127.0.0.1:4222; `IDEM_RABBITMQ_URL`, default amqp://guest:guest@127.0.0.1:5672/%2f), on SQLite and on
+//! PostgreSQL, with its crashes and its exact ledger check.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn nats_url() -> String {
+    std::env::var("IDEM_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+}
+
+fn rabbitmq_url() -> String {
+    std::env::var("IDEM_RABBITMQ_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
+}
+
+fn unique(prefix: &str) -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!("{prefix}_{}_{nanos}", std::process::id())
+}
+
+fn psql(url: &str, sql: &str) {
+    let out = Command::new("psql").args([url, "-tAc", sql]).output().expect("psql");
+    assert!(out.status.success(), "{sql}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Runs `idem demo` on `broker` (its flag and URL) with `extra` arguments and checks its summary.
+fn demo(broker: [&str; 2], extra: &[&str], database: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["demo", "--json", "--events", "2000", "--crashes", "3"])
+        .args(broker)
+        .args(extra)
+        .output()
+        .expect("run idem demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let summary: Value = serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("{e}: {stdout}\n{}", String::from_utf8_lossy(&out.stderr)));
+    assert!(out.status.success(), "{summary}");
+    assert_eq!(summary["ok"], true, "{summary}");
+    assert_eq!(summary["database"], database, "{summary}");
+    assert_eq!(summary["crashes_survived"], 3, "{summary}");
+    assert_eq!(summary["ledger_entries"], 2000, "{summary}");
+    assert_eq!(summary["distinct_ledger_events"], 2000, "{summary}");
+    // A crash after a commit leaves its batch unacknowledged: it comes again and is absorbed.
+    assert!(summary["duplicates_absorbed"].as_u64().unwrap() > summary["producer_duplicates"].as_u64().unwrap());
+}
+
+/// Runs the demo on `broker` against a fresh PostgreSQL database.
+fn demo_on_postgres(broker: [&str; 2]) {
+    let server = std::env::var("IDEM_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
+    let db = unique("idem_bdemo");
+    psql(&format!("{server}/postgres"), &format!("CREATE DATABASE {db}"));
+    demo(broker, &["--database-url", &format!("{server}/{db}")], "postgres");
+    psql(&format!("{server}/postgres"), &format!("DROP DATABASE {db} WITH (FORCE)"));
+}
+
+#[cfg(feature = "nats")]
+#[test]
+fn demo_on_nats_and_sqlite() {
+    demo(["--nats", &nats_url()], &["--crash-point", "after-commit"], "sqlite");
+}
+
+#[cfg(feature = "nats")]
+#[test]
+fn demo_on_nats_and_postgres() {
+    demo_on_postgres(["--nats", &nats_url()]);
+}
+
+#[cfg(feature = "rabbitmq")]
+#[test]
+fn demo_on_rabbitmq_and_sqlite() {
+    demo(["--rabbitmq", &rabbitmq_url()], &["--crash-point", "after-commit"], "sqlite");
+}
+
+#[cfg(feature = "rabbitmq")]
+#[test]
+fn demo_on_rabbitmq_and_postgres() {
+    demo_on_postgres(["--rabbitmq", &rabbitmq_url()]);
+}
