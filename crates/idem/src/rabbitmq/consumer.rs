@@ -19,7 +19,7 @@ const IDLE_CHECK: Duration = Duration::from_secs(1);
 
 /// What a queue's consumer task hands on.
 enum Arrival {
-    Delivery(String, Delivery),
+    Delivery(String, Box<Delivery>),
     /// The consumer stream failed or ended: the connection, the channel or the consumer is gone.
     Lost(String),
 }
@@ -97,7 +97,7 @@ impl RabbitSource {
             consumers.push(tokio::spawn(async move {
                 while let Some(delivery) = consumer.next().await {
                     let arrival = match delivery {
-                        Ok(delivery) => Arrival::Delivery(queue.clone(), delivery),
+                        Ok(delivery) => Arrival::Delivery(queue.clone(), Box::new(delivery)),
                         Err(e) => Arrival::Lost(format!("queue {queue}: {e}")),
                     };
                     let lost = matches!(arrival, Arrival::Lost(_));
@@ -181,7 +181,7 @@ impl Source for RabbitSource {
             };
             let lost = match tokio::time::timeout(IDLE_CHECK, current.arrivals.recv()).await {
                 Ok(Some(Arrival::Delivery(queue, delivery))) => {
-                    return Ok(Some(Received::Message(to_message(queue, delivery))));
+                    return Ok(Some(Received::Message(to_message(queue, *delivery))));
                 }
                 Ok(Some(Arrival::Lost(reason))) => reason,
                 Ok(None) => "every consumer ended".to_owned(),
