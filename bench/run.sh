@@ -23,4 +23,7 @@ if [ -z "$brokers" ]; then
 fi
 
 cargo build --release -p idem-bench >&2
-exec target/release/idem-bench --python "$venv/bin/python" --kafka "$brokers" "$@"
+# NATS JetStream and RabbitMQ: the machine's servers unless IDEM_NATS_URL / IDEM_RABBITMQ_URL name others.
+nats="${IDEM_NATS_URL:-nats://127.0.0.1:4222}"
+rabbitmq="${IDEM_RABBITMQ_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}"
+exec target/release/idem-bench --python "$venv/bin/python" --kafka "$brokers" --nats "$nats" --rabbitmq "$rabbitmq" "$@"

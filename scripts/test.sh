@@ -87,6 +87,7 @@ fi
 python_arg=()
 if "$venv/bin/python" -c "import psycopg" 2>/dev/null; then python_arg=(--python "$venv/bin/python"); fi
 cargo run --quiet -p idem-bench -- --quick "${python_arg[@]}" \
+  --nats "${IDEM_NATS_URL:-nats://127.0.0.1:4222}" --rabbitmq "${IDEM_RABBITMQ_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}" \
   --database-url "${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 # The chaos harness at a small size: consumer processes killed at random times, backends terminated, the database
 # refusing connections, the network to it cut; after each trial an independent SQL check of the ledger.

@@ -14,15 +14,18 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use idem::source::SourceError;
 use idem::{
-    BatchHandler, Config, Engine, Event, Handler, HandlerError, KeyExtractor, Message, Received, Source, Tables,
+    Acknowledgement, BatchHandler, Config, Engine, Event, Handler, HandlerError, KeyExtractor, Message, Received,
+    Source, Tables,
 };
 use sqlx::{Connection, PgConnection, PgPool};
 
 use idem_cli::demo::Rng;
 
+mod brokers;
 mod idem_legs;
 mod kafka;
 
+use brokers::{NatsLeg, RabbitLeg, broker_legs};
 use idem_legs::{CreditAll, HandlerKind, idem_leg, inbox_leg, raw_batched};
 use kafka::kafka_leg;
 pub use kafka::{ConsumeArgs, consume};
@@ -71,6 +74,16 @@ pub struct BenchArgs {
     /// A librdkafka consumer setting for the Kafka leg (KEY=VALUE, repeatable), e.g. fetch.wait.max.ms=10.
     #[arg(long = "kafka-setting")]
     kafka_settings: Vec<String>,
+    /// NATS JetStream server for its read-limit and end-to-end legs (skipped without), e.g. nats://127.0.0.1:4222.
+    #[arg(long)]
+    nats: Option<String>,
+    /// RabbitMQ server for its read-limit and end-to-end legs (skipped without), e.g.
+    /// amqp://guest:guest@127.0.0.1:5672/%2f.
+    #[arg(long)]
+    rabbitmq: Option<String>,
+    /// Events loaded into NATS and RabbitMQ for their legs.
+    #[arg(long, default_value_t = 100_000)]
+    broker_events: usize,
     /// Only the legs whose name contains one of these (semicolon-separated), e.g. `pgbench;per-event`.
     #[arg(long)]
     only: Option<String>,
@@ -164,6 +177,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
         args.events = args.events.min(2_000);
         args.runs = 1;
         args.kafka_events = args.kafka_events.min(2_000);
+        args.broker_events = args.broker_events.min(2_000);
     }
     if args.runs == 0 || args.events == 0 || args.accounts <= 0 {
         bail!("--runs, --events and --accounts must be above zero");
@@ -263,6 +277,26 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
         }
     }
 
+    for (broker, url) in [("NATS JetStream", &args.nats), ("RabbitMQ", &args.rabbitmq)] {
+        if !wanted(broker) {
+            continue;
+        }
+        let Some(url) = url else {
+            notes.push(format!(
+                "{broker} legs skipped: no --{}",
+                if broker == "RabbitMQ" { "rabbitmq" } else { "nats" }
+            ));
+            continue;
+        };
+        progress(&format!("{broker} read limit and idem end to end"));
+        let (read, consume) = match broker {
+            "RabbitMQ" => broker_legs(&pool, &args, RabbitLeg::new(url), args.broker_events).await?,
+            _ => broker_legs(&pool, &args, NatsLeg::new(url), args.broker_events).await?,
+        };
+        legs.push(read);
+        legs.push(consume);
+    }
+
     let ratios = ratios(&legs);
     if args.json {
         println!(
@@ -336,6 +370,12 @@ fn ratios(legs: &[Leg]) -> Vec<(String, f64)> {
     let read = legs.iter().find(|l| l.name.starts_with("Kafka read limit")).map(|l| l.median);
     ratio("idem from Kafka ÷ batched SQL limit 1000".into(), kafka, median("batched SQL limit 1000"));
     ratio("idem from Kafka ÷ Kafka read limit".into(), kafka, read);
+    for broker in ["NATS JetStream", "RabbitMQ"] {
+        let idem =
+            legs.iter().find(|l| l.name.starts_with(&format!("idem end to end from {broker}"))).map(|l| l.median);
+        let read = legs.iter().find(|l| l.name.starts_with(&format!("{broker} read limit"))).map(|l| l.median);
+        ratio(format!("idem from {broker} ÷ {broker} read limit"), idem, read);
+    }
     out
 }
 

@@ -1,0 +1,204 @@
+//! The NATS JetStream and RabbitMQ legs: the events loaded into the broker, then per run read and acknowledged
+//! only (the broker's read limit through idem's own source, no database) and consumed end to end by idem with
+//! the batch handler (batch 1000), each from the first message to the last commit.
+
+use super::*;
+
+/// A broker the legs run on: how to load the events and open a source over them.
+pub(super) trait BrokerLeg {
+    type Source: idem::Source;
+    /// The broker's name in the legs' names.
+    fn name(&self) -> &'static str;
+    /// Loads `records` (account, payload) under a name of the run's own.
+    async fn load(&mut self, records: &[(i64, String)]) -> anyhow::Result<()>;
+    /// A source over what was loaded, ending once it is all delivered; `group` is fresh per run.
+    async fn source(&self, config: &Config) -> anyhow::Result<Self::Source>;
+    /// Whether reading consumes the events (a queue), so they are loaded again before each read.
+    fn reading_consumes(&self) -> bool;
+    /// Removes what `load` created.
+    async fn remove(&self);
+}
+
+/// Runs the read-limit and end-to-end legs on `broker` and returns them.
+pub(super) async fn broker_legs<B: BrokerLeg>(
+    pool: &PgPool,
+    args: &BenchArgs,
+    mut broker: B,
+    events: usize,
+) -> anyhow::Result<(Leg, Leg)> {
+    let work = workload(events, args.duplicates, args.accounts, args.seed ^ 0x6272_6f6b);
+    let records: Vec<(i64, String)> = work.deliveries.iter().map(|p| (p.account, payload(p))).collect();
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let (mut reads, mut runs) = (Vec::new(), Vec::new());
+    broker.load(&records).await?;
+    let tables = Tables::new(None, PREFIX)?;
+    let config = |group: String| {
+        Config::new(group, KeyExtractor::JsonPointer("/id".into())).batch_size(1000).tables(tables.clone())
+    };
+    for run in 0..args.runs {
+        let read_config = config(format!("bench-read-{nanos}-{run}"));
+        reads.push(read_limit(broker.source(&read_config).await?).await?);
+        if broker.reading_consumes() {
+            broker.load(&records).await?;
+        }
+        fresh_tables(pool, args.accounts).await?;
+        let engine_config = config(format!("bench-{nanos}-{run}"));
+        let engine_pool = idem::postgres::connect(&args.database_url, 6).await?;
+        let source = broker.source(&engine_config).await?;
+        runs.push(end_to_end(engine_pool, engine_config, source).await?);
+        check_ledger(pool, broker.name(), work.expected_total, work.unique as i64).await?;
+        if broker.reading_consumes() && run + 1 < args.runs {
+            broker.load(&records).await?;
+        }
+    }
+    broker.remove().await;
+    let read = Leg::new(
+        format!("{} read limit: read and acknowledge only, no database ({events} events)", broker.name()),
+        reads,
+    );
+    let idem = Leg::new(format!("idem end to end from {}, batched 1000 ({events} events)", broker.name()), runs);
+    Ok((read, idem))
+}
+
+/// Reads the source to its end, acknowledging every thousand messages; the rate from the first message to the
+/// last (the wait that tells the end is not counted).
+async fn read_limit<S: idem::Source>(source: S) -> anyhow::Result<f64> {
+    let (mut count, mut first, mut last, mut batch) = (0u64, None, Instant::now(), Vec::with_capacity(1000));
+    let mut pending: std::collections::BTreeMap<(String, i32), Vec<Message>> = std::collections::BTreeMap::new();
+    loop {
+        match source.recv().await? {
+            Some(Received::Message(m)) => {
+                first.get_or_insert_with(Instant::now);
+                last = Instant::now();
+                count += 1;
+                batch.push(m);
+                if batch.len() == 1000 {
+                    for m in batch.drain(..) {
+                        pending.entry((m.topic.clone(), m.partition)).or_default().push(m);
+                    }
+                    for (_, messages) in std::mem::take(&mut pending) {
+                        if let Some(ack) = Acknowledgement::of(&messages) {
+                            source.ack(&ack).await?;
+                        }
+                    }
+                }
+            }
+            Some(Received::Revoked { drained, .. }) => drained.done(),
+            None => break,
+        }
+    }
+    for m in batch.drain(..) {
+        pending.entry((m.topic.clone(), m.partition)).or_default().push(m);
+    }
+    for (_, messages) in pending {
+        if let Some(ack) = Acknowledgement::of(&messages) {
+            source.ack(&ack).await?;
+        }
+    }
+    let first = first.context("nothing was read")?;
+    Ok(count.saturating_sub(1) as f64 / last.duration_since(first).as_secs_f64().max(1e-3))
+}
+
+/// Consumes the source to its end with the batch handler; the rate from the first commit to the last.
+async fn end_to_end<S: idem::Source>(pool: PgPool, config: Config, source: S) -> anyhow::Result<f64> {
+    let span = Arc::new(Mutex::new((None::<Instant>, 0u64, 0u64, Instant::now())));
+    let observer = {
+        let span = Arc::clone(&span);
+        move |c: &idem::Committed| {
+            if let Ok(mut s) = span.lock() {
+                let n = c.processed + c.duplicate + c.dead_lettered + c.id_reused;
+                if s.0.is_none() {
+                    *s = (Some(Instant::now()), n, 0, Instant::now());
+                }
+                s.2 += n;
+                s.3 = Instant::now();
+            }
+        }
+    };
+    let engine = Engine::new(pool.clone(), config)?.on_commit(observer);
+    engine.run_batched(source, CreditAll, std::future::pending::<()>()).await?;
+    pool.close().await;
+    let (first, first_batch, count, last) = *span.lock().map_err(|_| anyhow::anyhow!("progress lock poisoned"))?;
+    let first = first.context("nothing was committed")?;
+    Ok((count - first_batch) as f64 / last.duration_since(first).as_secs_f64().max(1e-3))
+}
+
+/// NATS JetStream: one stream, read by a fresh durable consumer per run.
+pub(super) struct NatsLeg {
+    pub(super) url: String,
+    stream: String,
+}
+
+impl NatsLeg {
+    pub(super) fn new(url: &str) -> Self {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        NatsLeg { url: url.to_owned(), stream: format!("bench-{nanos}") }
+    }
+}
+
+impl BrokerLeg for NatsLeg {
+    type Source = idem::nats::NatsSource;
+
+    fn name(&self) -> &'static str {
+        "NATS JetStream"
+    }
+
+    async fn load(&mut self, records: &[(i64, String)]) -> anyhow::Result<()> {
+        idem_cli::demo::write_nats(&self.url, &self.stream, records).await
+    }
+
+    async fn source(&self, config: &Config) -> anyhow::Result<Self::Source> {
+        let nats = idem::nats::NatsConfig { stop_at_end: true, ..idem::nats::NatsConfig::new(&self.url, &self.stream) };
+        Ok(idem::nats::NatsSource::connect(&nats, config).await?)
+    }
+
+    fn reading_consumes(&self) -> bool {
+        false
+    }
+
+    async fn remove(&self) {
+        let _ = idem::nats::delete_stream(&self.url, &self.stream).await;
+    }
+}
+
+/// RabbitMQ: four classic queues (four partitions), loaded again before each read.
+pub(super) struct RabbitLeg {
+    pub(super) url: String,
+    queues: Vec<String>,
+}
+
+impl RabbitLeg {
+    pub(super) fn new(url: &str) -> Self {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        RabbitLeg { url: url.to_owned(), queues: (0..4).map(|p| format!("bench-{nanos}-{p}")).collect() }
+    }
+}
+
+impl BrokerLeg for RabbitLeg {
+    type Source = idem::rabbitmq::RabbitSource;
+
+    fn name(&self) -> &'static str {
+        "RabbitMQ"
+    }
+
+    async fn load(&mut self, records: &[(i64, String)]) -> anyhow::Result<()> {
+        idem_cli::demo::write_rabbitmq(&self.url, &self.queues, records).await
+    }
+
+    async fn source(&self, config: &Config) -> anyhow::Result<Self::Source> {
+        let queues: Vec<&str> = self.queues.iter().map(String::as_str).collect();
+        let rabbit =
+            idem::rabbitmq::RabbitConfig { stop_at_end: true, ..idem::rabbitmq::RabbitConfig::new(&self.url, &queues) };
+        Ok(idem::rabbitmq::RabbitSource::connect(&rabbit, config).await?)
+    }
+
+    fn reading_consumes(&self) -> bool {
+        true
+    }
+
+    async fn remove(&self) {
+        for queue in &self.queues {
+            let _ = idem::rabbitmq::delete_queue(&self.url, queue).await;
+        }
+    }
+}
