@@ -156,6 +156,9 @@ impl Broker for Nats {
         ];
         if self.strict {
             args.push("--strict-order".into());
+        } else {
+            // The subjects spread over partitions: handled in parallel, each subject in order.
+            args.extend(["--nats-partitions".into(), PARTITIONS.to_string()]);
         }
         args
     }

@@ -56,7 +56,8 @@ pub(super) async fn broker_legs<B: BrokerLeg>(
         format!("{} read limit: read and acknowledge only, no database ({events} events)", broker.name()),
         reads,
     );
-    let idem = Leg::new(format!("idem end to end from {}, batched 1000 ({events} events)", broker.name()), runs);
+    let idem =
+        Leg::new(format!("idem end to end from {}, batched 1000, 4 partitions ({events} events)", broker.name()), runs);
     Ok((read, idem))
 }
 
@@ -123,7 +124,7 @@ async fn end_to_end<S: idem::Source>(pool: PgPool, config: Config, source: S) ->
     Ok((count - first_batch) as f64 / last.duration_since(first).as_secs_f64().max(1e-3))
 }
 
-/// NATS JetStream: one stream, read by a fresh durable consumer per run.
+/// NATS JetStream: one stream, read by a fresh durable consumer per run, its subjects spread over 4 partitions.
 pub(super) struct NatsLeg {
     pub(super) url: String,
     stream: String,
@@ -148,7 +149,11 @@ impl BrokerLeg for NatsLeg {
     }
 
     async fn source(&self, config: &Config) -> anyhow::Result<Self::Source> {
-        let nats = idem::nats::NatsConfig { stop_at_end: true, ..idem::nats::NatsConfig::new(&self.url, &self.stream) };
+        let nats = idem::nats::NatsConfig {
+            stop_at_end: true,
+            partitions: 4,
+            ..idem::nats::NatsConfig::new(&self.url, &self.stream)
+        };
         Ok(idem::nats::NatsSource::connect(&nats, config).await?)
     }
 

@@ -64,7 +64,7 @@ pub struct DemoArgs {
     #[arg(long)]
     kafka: Option<String>,
     /// Use the NATS JetStream server at this URL (nats://host:port) instead of the embedded log: a fresh stream
-    /// and durable consumer per run, the stream removed at the end.
+    /// and durable consumer per run (its subjects spread over the partitions), the stream removed at the end.
     #[arg(long, conflicts_with = "kafka")]
     nats: Option<String>,
     /// Use the RabbitMQ server at this URL (amqp://user:password@host:port/vhost) instead of the embedded log: a
@@ -86,7 +86,7 @@ pub struct DemoArgs {
 enum Transport {
     Embedded(PathBuf),
     Kafka { brokers: String, topic: String, group: String },
-    Nats { url: String, stream: String, group: String },
+    Nats { url: String, stream: String, group: String, partitions: i32 },
     Rabbitmq { url: String, queues: Vec<String>, group: String },
 }
 
@@ -105,7 +105,7 @@ impl Transport {
                 "session.timeout.ms=6000".into(),
             ],
             // AckWait 3 s: what a killed consumer held comes again 3 s later.
-            Transport::Nats { url, stream, group } => vec![
+            Transport::Nats { url, stream, group, partitions } => vec![
                 "--nats".into(),
                 url.clone(),
                 "--topic".into(),
@@ -114,6 +114,8 @@ impl Transport {
                 group.clone(),
                 "--ack-wait-secs".into(),
                 "3".into(),
+                "--nats-partitions".into(),
+                partitions.to_string(),
             ],
             Transport::Rabbitmq { url, queues, group } => {
                 let mut args = vec!["--rabbitmq".into(), url.clone(), "--group".into(), group.clone()];
@@ -202,7 +204,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         (None, Some(url)) => {
             let (stream, group) = (format!("idem-demo-{run_id}"), format!("{GROUP}-{run_id}"));
             write_nats(url, &stream, &records).await.context("producing the events to NATS JetStream")?;
-            Transport::Nats { url: url.clone(), stream, group }
+            Transport::Nats { url: url.clone(), stream, group, partitions: args.partitions }
         }
         (None, None) => {
             write_embedded(&log_dir, args.partitions, &records).context("producing the events")?;

@@ -38,6 +38,9 @@ pub struct WorkerArgs {
     /// NATS: AckWait of the durable consumer when it is created, in seconds; batches may take at most this long.
     #[arg(long, default_value_t = 30)]
     ack_wait_secs: u64,
+    /// NATS: partitions the stream's messages are spread over by subject (each in order, in parallel).
+    #[arg(long, default_value_t = 1)]
+    nats_partitions: u32,
     /// NATS: one message in flight (max_ack_pending 1), so order holds across redeliveries.
     #[arg(long)]
     strict_order: bool,
@@ -151,6 +154,7 @@ async fn nats(
         max_batch_time: ack_wait.min(std::time::Duration::from_secs(10)),
         stop_at_end: !args.follow,
         max_ack_pending: args.strict_order.then_some(1),
+        partitions: args.nats_partitions,
         ..idem::nats::NatsConfig::new(url, args.topic.as_str())
     };
     let source = idem::nats::NatsSource::connect(&nats, &config).await?;

@@ -28,6 +28,8 @@ pub struct NatsSource {
     consumer: tokio::sync::Mutex<PullConsumer>,
     stream: String,
     stop_at_end: bool,
+    /// Partitions the messages are spread over by subject.
+    partitions: u32,
     /// Messages per pull request.
     batch: usize,
     /// The pull stream: the client keeps one pull request of up to a batch outstanding and refills it.
@@ -119,6 +121,7 @@ impl NatsSource {
             consumer: tokio::sync::Mutex::new(consumer),
             stream: config.stream.clone(),
             stop_at_end: config.stop_at_end,
+            partitions: config.partitions,
             batch,
             messages: tokio::sync::Mutex::new(messages),
             in_hand,
@@ -168,9 +171,13 @@ impl NatsSource {
                 pairs
             })
             .unwrap_or_default();
+        let partition = match self.partitions {
+            0 | 1 => 0,
+            n => (crc32fast::hash(message.subject.as_str().as_bytes()) % n) as i32,
+        };
         Ok(Message {
             topic: self.stream.clone(),
-            partition: 0,
+            partition,
             offset: sequence as i64,
             key: Some(message.subject.as_str().as_bytes().to_vec()),
             payload: message.payload.to_vec(),

@@ -12,10 +12,11 @@
 //! * **Retention.** The stream's `max_age` is checked against the marker retention at start-up, with the rules
 //!   of the Kafka guard ([`crate::retention`]): `max_age=0` (forever) needs markers that are never pruned or an
 //!   explicit, logged override.
-//! * **Mapping.** The stream is the message's topic, partition 0, the stream sequence its offset and the subject
-//!   its key. One consumer process handles one stream's messages in stream order; several processes sharing the
-//!   durable consumer split its messages between them, so per-key order then needs one stream (or one filtered
-//!   consumer) per key range.
+//! * **Mapping.** The stream is the message's topic, the stream sequence its offset and the subject its key. With
+//!   [`NatsConfig::partitions`] at 1 (the default) everything is partition 0, handled in stream order; above 1,
+//!   a message's partition is a hash of its subject, so subjects are handled in parallel and each keeps its order.
+//!   Several processes sharing the durable consumer split its messages between them, so per-key order across
+//!   processes needs one stream (or one filtered consumer) per key range.
 //! * **Order across redelivery.** A message that a crashed consumer held comes again after AckWait, behind later
 //!   messages, unless [`NatsConfig::max_ack_pending`] is 1 (strict order, one message per round trip).
 
@@ -52,6 +53,10 @@ pub struct NatsConfig {
     /// Deliveries after which the server stops delivering a message (`-1`: no limit, the default). idem
     /// dead-letters its own failures long before; the limit catches a message that crashes the process.
     pub max_deliver: i64,
+    /// Partitions the stream's messages are spread over, by a hash of their subject (CRC-32, as Kafka's
+    /// producers hash keys): each partition is handled in order, the partitions in parallel, so the messages of
+    /// one subject keep their order. Default 1: the whole stream in stream order, one batch at a time.
+    pub partitions: u32,
     /// Messages handed out and not yet acknowledged, at most (`None`: the server's default, 1,000). `Some(1)` is
     /// the strict-order setting (document 003's `prefetch = 1`): a message a crashed consumer held is delivered
     /// again before any later one, at the price of one message per round trip. With more in flight, messages
@@ -77,6 +82,7 @@ impl NatsConfig {
             max_batch_time: Duration::from_secs(10),
             max_deliver: -1,
             max_ack_pending: None,
+            partitions: 1,
             stop_at_end: false,
             accept_infinite_stream_retention: false,
         }
@@ -106,6 +112,9 @@ impl NatsConfig {
                 "nats max_deliver {} is not a limit: use -1 (no limit) or at least 1",
                 self.max_deliver
             )));
+        }
+        if self.partitions == 0 || self.partitions > 1024 {
+            return Err(Error::Config(format!("nats partitions {} is out of range: use 1 to 1024", self.partitions)));
         }
         if self.max_ack_pending.is_some_and(|n| n < 1) {
             return Err(Error::Config(format!(
