@@ -61,16 +61,7 @@ pub fn tables(args: &DbArgs) -> anyhow::Result<Tables> {
 
 /// The URL without its password, for messages.
 pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let credentials = &url[scheme + 3..at];
-            match credentials.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
-    }
+    idem::error::redact_url(url)
 }
 
 /// Runs `$body` with `$pool` bound to the open pool, whichever backend it is: the body is compiled once per

@@ -645,13 +645,7 @@ fn nats_a_server_restart_mid_run_loses_nothing() {
     server.kill();
     std::thread::sleep(Duration::from_secs(1));
     server.restart();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while (worker.processed as usize) < run.expected {
-        assert!(Instant::now() < deadline, "processed only {} of {} after the restart", worker.processed, run.expected);
-        assert!(worker.child.try_wait().unwrap().is_none(), "the consumer exited during the outage");
-        std::thread::sleep(Duration::from_millis(50));
-        worker.absorb();
-    }
+    worker.until_processed(run.expected as u64);
     worker.signal(libc::SIGTERM);
     worker.wait().assert_success("the consumer after the restart");
     assert_exactly_once_in_order(&run, broker.name(), true);
@@ -721,13 +715,7 @@ fn rabbitmq_a_cut_connection_mid_run_loses_nothing() {
     proxy.cut();
     std::thread::sleep(Duration::from_secs(2));
     proxy.heal();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while (worker.processed as usize) < run.expected {
-        assert!(Instant::now() < deadline, "processed only {} of {} after the cut", worker.processed, run.expected);
-        assert!(worker.child.try_wait().unwrap().is_none(), "the consumer exited during the outage");
-        std::thread::sleep(Duration::from_millis(50));
-        worker.absorb();
-    }
+    worker.until_processed(run.expected as u64);
     worker.signal(libc::SIGTERM);
     worker.wait().assert_success("the consumer after the cut");
     assert_exactly_once_in_order(&run, broker.name(), true);

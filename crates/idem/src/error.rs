@@ -203,3 +203,17 @@ mod tests {
         assert_eq!(classify(&sqlx::Error::RowNotFound), Retry::Useless);
     }
 }
+
+/// `url` without its password (`scheme://user:***@host…`), for logs and errors that name a server.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let credentials = &url[scheme + 3..at];
+            match credentials.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}

@@ -91,24 +91,13 @@ pub async fn connect(url: &str) -> Result<lapin::Connection, Error> {
     let connecting = lapin::Connection::connect(url, lapin::ConnectionProperties::default());
     match tokio::time::timeout(std::time::Duration::from_secs(10), connecting).await {
         Ok(Ok(connection)) => Ok(connection),
-        Ok(Err(e)) => Err(Error::Connect { target: format!("rabbitmq {}", redact(url)), reason: e.to_string() }),
-        Err(_) => {
-            Err(Error::Connect { target: format!("rabbitmq {}", redact(url)), reason: "timed out after 10 s".into() })
+        Ok(Err(e)) => {
+            Err(Error::Connect { target: format!("rabbitmq {}", crate::error::redact_url(url)), reason: e.to_string() })
         }
-    }
-}
-
-/// The URL without its password, for logs and errors.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.find('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let credentials = &url[scheme + 3..at];
-            match credentials.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
+        Err(_) => Err(Error::Connect {
+            target: format!("rabbitmq {}", crate::error::redact_url(url)),
+            reason: "timed out after 10 s".into(),
+        }),
     }
 }
 
@@ -163,6 +152,7 @@ mod tests {
 
     #[test]
     fn passwords_stay_out_of_errors() {
+        let redact = crate::error::redact_url;
         assert_eq!(redact("amqp://guest:secret@host:5672/%2f"), "amqp://guest:***@host:5672/%2f");
         assert_eq!(redact("amqp://host:5672"), "amqp://host:5672");
     }
