@@ -191,19 +191,6 @@ impl Error {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn io_errors_are_retryable() {
-        let e = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
-        assert_eq!(classify(&e), Retry::Helps);
-        assert_eq!(HandlerError::from(e).retry(), Retry::Helps);
-        assert_eq!(classify(&sqlx::Error::RowNotFound), Retry::Useless);
-    }
-}
-
 /// `url` without its password (`scheme://user:***@host…`), for logs and errors that name a server.
 pub fn redact_url(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
@@ -215,5 +202,18 @@ pub fn redact_url(url: &str) -> String {
             }
         }
         _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_errors_are_retryable() {
+        let e = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert_eq!(classify(&e), Retry::Helps);
+        assert_eq!(HandlerError::from(e).retry(), Retry::Helps);
+        assert_eq!(classify(&sqlx::Error::RowNotFound), Retry::Useless);
     }
 }
