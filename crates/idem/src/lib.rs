@@ -44,14 +44,20 @@
 //!   idempotency key comes from ([`KeyExtractor`]).
 //! * [`store`]: the database seam by capability ([`Store`], the hot path; [`Operations`], the tooling; the
 //!   partitioned layout in `store::partitions`, PostgreSQL only) with its PostgreSQL and SQLite modules.
-//! * [`source`]: the broker seam ([`Source`], [`Publisher`]) and its contract; [`embedded`]: the embedded log, [`kafka`] (feature `kafka`): Kafka.
+//! * [`source`]: the broker seam ([`Source`], [`Publisher`]) and its contract; [`embedded`]: the embedded log.
+//!   Brokers, each behind its feature: `kafka`, `nats` (NATS JetStream), `rabbitmq`.
+//! * [`retention`]: the retention guard, markers against what a broker keeps, in each broker's words.
 //! * [`inbox`]: the Sequential Inbox (PostgreSQL): per-context ordering with buffering and a concurrent-safe claim.
 //! * [`gap`]: lost-event detection from producer sequence numbers.
 //! * [`prune`]: bounded, lock-friendly pruning of markers. [`kill_switch`]: holding the consumer when every
 //!   message fails the same way.
 //! * [`dead_letter`]: listing and replaying dead letters. [`fault`]: crash injection for tests and the demo.
 //! * [`error`]: errors that say whether a retry can help. [`telemetry`]: the metric catalogue.
-//! * `kafka` (feature `kafka`): the Kafka source, the producer helper and the retention guard.
+//! * `kafka` (feature `kafka`): the Kafka source, the producer helper, topic admin.
+//! * `nats` (feature `nats`): the NATS JetStream source (a durable pull consumer), the producer with
+//!   `Nats-Msg-Id`, the AckWait and acknowledgement-policy guards.
+//! * `rabbitmq` (feature `rabbitmq`): the RabbitMQ source (manual acknowledgement, a queue per partition) and the
+//!   producer with publisher confirms.
 #![warn(missing_docs)]
 
 pub mod config;
