@@ -4,8 +4,36 @@
 
 use super::*;
 
+/// Runs the legs of every broker that has a server (`--nats`, `--rabbitmq`) and is `wanted`; a broker without
+/// one gets a note.
+pub(super) async fn run(
+    pool: &PgPool,
+    args: &BenchArgs,
+    wanted: &dyn Fn(&str) -> bool,
+    progress: &dyn Fn(&str),
+    notes: &mut Vec<String>,
+) -> anyhow::Result<Vec<Leg>> {
+    let mut legs = Vec::new();
+    for (broker, flag, url) in [("NATS JetStream", "--nats", &args.nats), ("RabbitMQ", "--rabbitmq", &args.rabbitmq)] {
+        if !wanted(broker) {
+            continue;
+        }
+        let Some(url) = url else {
+            notes.push(format!("{broker} legs skipped: no {flag}"));
+            continue;
+        };
+        progress(&format!("{broker} read limit and idem end to end"));
+        let (read, consume) = match flag {
+            "--rabbitmq" => broker_legs(pool, args, RabbitLeg::new(url), args.broker_events).await?,
+            _ => broker_legs(pool, args, NatsLeg::new(url), args.broker_events).await?,
+        };
+        legs.extend([read, consume]);
+    }
+    Ok(legs)
+}
+
 /// A broker the legs run on: how to load the events and open a source over them.
-pub(super) trait BrokerLeg {
+trait BrokerLeg {
     type Source: idem::Source;
     /// The broker's name in the legs' names.
     fn name(&self) -> &'static str;
@@ -20,7 +48,7 @@ pub(super) trait BrokerLeg {
 }
 
 /// Runs the read-limit and end-to-end legs on `broker` and returns them.
-pub(super) async fn broker_legs<B: BrokerLeg>(
+async fn broker_legs<B: BrokerLeg>(
     pool: &PgPool,
     args: &BenchArgs,
     mut broker: B,
@@ -125,13 +153,13 @@ async fn end_to_end<S: idem::Source>(pool: PgPool, config: Config, source: S) ->
 }
 
 /// NATS JetStream: one stream, read by a fresh durable consumer per run, its subjects spread over 4 partitions.
-pub(super) struct NatsLeg {
-    pub(super) url: String,
+struct NatsLeg {
+    url: String,
     stream: String,
 }
 
 impl NatsLeg {
-    pub(super) fn new(url: &str) -> Self {
+    fn new(url: &str) -> Self {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         NatsLeg { url: url.to_owned(), stream: format!("bench-{nanos}") }
     }
@@ -167,13 +195,13 @@ impl BrokerLeg for NatsLeg {
 }
 
 /// RabbitMQ: four classic queues (four partitions), loaded again before each read.
-pub(super) struct RabbitLeg {
-    pub(super) url: String,
+struct RabbitLeg {
+    url: String,
     queues: Vec<String>,
 }
 
 impl RabbitLeg {
-    pub(super) fn new(url: &str) -> Self {
+    fn new(url: &str) -> Self {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         RabbitLeg { url: url.to_owned(), queues: (0..4).map(|p| format!("bench-{nanos}-{p}")).collect() }
     }

@@ -25,7 +25,6 @@ mod brokers;
 mod idem_legs;
 mod kafka;
 
-use brokers::{NatsLeg, RabbitLeg, broker_legs};
 use idem_legs::{CreditAll, HandlerKind, idem_leg, inbox_leg, raw_batched};
 use kafka::kafka_leg;
 pub use kafka::{ConsumeArgs, consume};
@@ -277,25 +276,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
         }
     }
 
-    for (broker, url) in [("NATS JetStream", &args.nats), ("RabbitMQ", &args.rabbitmq)] {
-        if !wanted(broker) {
-            continue;
-        }
-        let Some(url) = url else {
-            notes.push(format!(
-                "{broker} legs skipped: no --{}",
-                if broker == "RabbitMQ" { "rabbitmq" } else { "nats" }
-            ));
-            continue;
-        };
-        progress(&format!("{broker} read limit and idem end to end"));
-        let (read, consume) = match broker {
-            "RabbitMQ" => broker_legs(&pool, &args, RabbitLeg::new(url), args.broker_events).await?,
-            _ => broker_legs(&pool, &args, NatsLeg::new(url), args.broker_events).await?,
-        };
-        legs.push(read);
-        legs.push(consume);
-    }
+    legs.extend(brokers::run(&pool, &args, &wanted, &progress, &mut notes).await?);
 
     let ratios = ratios(&legs);
     if args.json {

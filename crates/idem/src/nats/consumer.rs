@@ -151,11 +151,9 @@ impl NatsSource {
         if delivered > 1 {
             metrics::counter!("nats_redelivered_total", "stream" => self.stream.clone()).increment(1);
         }
-        let (message, acker_reply) = {
-            let reply = message.message.reply.clone();
-            (message.message, reply)
-        };
-        let reply = acker_reply.ok_or_else(|| SourceError::permanent("nats message", "no reply subject to ack"))?;
+        let message = message.message;
+        let reply =
+            message.reply.clone().ok_or_else(|| SourceError::permanent("nats message", "no reply subject to ack"))?;
         lock(&self.in_hand).insert(sequence, reply.clone());
         let headers = message
             .headers
