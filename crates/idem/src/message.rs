@@ -67,6 +67,12 @@ pub struct Message {
     /// The source's handle for acknowledging this delivery, on brokers that acknowledge each message by its own
     /// handle; `None` on offset brokers and for messages built by hand.
     pub ack_handle: Option<AckHandle>,
+    /// Set by a source when the broker will not deliver this message again (its delivery limit is reached, e.g.
+    /// JetStream's `max_deliver`): the engine does not call the handler; it dead-letters the message with this
+    /// reason, in the transaction that writes its marker, unless the marker shows it was handled already. A
+    /// message that crashes the process on every delivery is kept this way instead of being dropped by the
+    /// broker. `None` for every other message.
+    pub dead_letter_reason: Option<String>,
 }
 
 impl Message {
@@ -81,6 +87,7 @@ impl Message {
             headers: Vec::new(),
             timestamp_ms: None,
             ack_handle: None,
+            dead_letter_reason: None,
         }
     }
 

@@ -82,16 +82,22 @@ pub struct Acknowledgement {
     /// The [`AckHandle`] of every message that has one, in order. A per-message broker acknowledges exactly
     /// these.
     pub handles: Vec<AckHandle>,
+    /// Those of `handles` whose message idem dead-lettered instead of handling it (its dead-letter row
+    /// committed). A broker with a dead-letter path of its own may settle them that way (RabbitMQ rejects them
+    /// to the queue's dead-letter exchange, JetStream terminates them); to every other it is an acknowledgement.
+    pub dead_lettered: Vec<AckHandle>,
 }
 
 impl Acknowledgement {
-    /// The acknowledgement of `messages`, all of one partition, in order; `None` when there are none.
+    /// The acknowledgement of `messages`, all of one partition, in order, none of them dead-lettered; `None`
+    /// when there are none.
     pub fn of(messages: &[Message]) -> Option<Self> {
         let last = messages.last()?;
         Some(Acknowledgement {
             partition: Partition { topic: last.topic.clone(), partition: last.partition },
             last_offset: last.offset,
             handles: messages.iter().filter_map(|m| m.ack_handle.clone()).collect(),
+            dead_lettered: Vec::new(),
         })
     }
 
@@ -101,6 +107,7 @@ impl Acknowledgement {
             partition: Partition { topic: topic.into(), partition },
             last_offset: offset,
             handles: Vec::new(),
+            dead_lettered: Vec::new(),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! NATS JetStream, against a real server (`IDEM_NATS_URL`, default nats://127.0.0.1:4222): the retention guard on
 //! a stream's `max_age`, the AckWait guard and the acknowledgement-policy refusal on an existing consumer, clear
-//! errors for a wrong URL or a missing stream, and the producer's message id dropping a retry.
+//! errors for a wrong URL or a missing stream, the producer's message id dropping a retry, and the last delivery
+//! `max_deliver` allows kept as a dead letter and terminated.
 #![cfg(feature = "nats")]
 
 mod common;
@@ -9,6 +10,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, pull};
 use common::config;
+use futures_util::StreamExt;
 use idem::nats::{NatsConfig, NatsProducer, NatsSource, create_stream, delete_stream};
 
 const DAY: Duration = Duration::from_secs(86_400);
@@ -115,5 +117,62 @@ async fn the_producer_message_id_drops_a_retry_within_the_duplicate_window() {
     assert_eq!(again.sequence, first.sequence);
     let other = producer.send(&subject, b"x", &[]).await.unwrap();
     assert!(!other.duplicate && other.sequence > first.sequence);
+    delete_stream(&url(), &name).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_delivery_max_deliver_allows_is_dead_lettered_without_the_handler_and_terminated() {
+    let db = common::pg().await;
+    common::setup(&db.pool).await;
+    let name = stream("limit", DAY).await;
+    let producer = NatsProducer::connect(&url()).await.unwrap();
+    producer.send(&format!("{name}.a"), br#"{"id":"crasher","amount":7}"#, &[]).await.unwrap();
+    producer.send(&format!("{name}.a"), br#"{"id":"fine","amount":1}"#, &[]).await.unwrap();
+    let engine = idem::Engine::new(db.pool.clone(), markers_for(Some(2))).unwrap();
+    let nats = NatsConfig {
+        max_deliver: 2,
+        ack_wait: Duration::from_secs(1),
+        max_batch_time: Duration::from_secs(1),
+        max_ack_pending: Some(1),
+        stop_at_end: true,
+        ..NatsConfig::new(url(), name.as_str())
+    };
+
+    // The first delivery is lost the way a hung consumer loses it: taken, never acknowledged.
+    let crashed = NatsSource::connect(&nats, engine.config()).await.unwrap();
+    drop(crashed); // creates the durable consumer with the settings above
+    let js = async_nats::jetstream::new(async_nats::connect(url()).await.unwrap());
+    let consumer: async_nats::jetstream::consumer::PullConsumer =
+        js.get_stream(&name).await.unwrap().get_consumer(&engine.config().group).await.unwrap();
+    let mut batch = consumer.fetch().max_messages(1).messages().await.unwrap();
+    let first = batch.next().await.expect("a message").unwrap();
+    assert!(String::from_utf8_lossy(&first.payload).contains("crasher"));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    let advisories = async_nats::connect(url()).await.unwrap();
+    let advisory = format!("$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{name}.{}", engine.config().group);
+    let mut terminated = advisories.subscribe(advisory).await.unwrap();
+    advisories.flush().await.unwrap();
+    let source = NatsSource::connect(&nats, engine.config()).await.unwrap();
+    let stats = engine.run(source, common::Ledger::default(), std::future::pending::<()>()).await.unwrap();
+    assert_eq!((stats.processed, stats.dead_lettered), (1, 1));
+    let notice = tokio::time::timeout(Duration::from_secs(5), terminated.next()).await.expect("a termination advisory");
+    let notice = String::from_utf8_lossy(&notice.expect("advisory").payload).into_owned();
+    assert!(notice.contains(r#""stream_seq":1"#), "the dead letter was terminated, not acknowledged: {notice}");
+    assert_eq!(common::ledger_rows(&db.pool, "crasher").await, 0, "the handler never applied the last delivery");
+    assert_eq!(common::ledger_total(&db.pool).await, 1);
+    assert_eq!(common::markers(&db.pool, "crasher").await, 1, "a redelivery would be a plain duplicate");
+    let (reason, attempts): (String, i32) =
+        sqlx::query_as("SELECT error, attempts FROM dead_letters WHERE event_id = 'crasher'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(reason.contains("max_deliver (2)") && reason.contains("replay"), "{reason}");
+    assert_eq!(attempts, 0, "the handler was not tried");
+
+    // Settled on the server (+TERM): nothing pending, nothing awaiting acknowledgement, nothing comes again.
+    let mut consumer = consumer;
+    let info = consumer.info().await.unwrap();
+    assert_eq!((info.num_pending, info.num_ack_pending), (0, 0), "{info:?}");
     delete_stream(&url(), &name).await.unwrap();
 }

@@ -1,5 +1,6 @@
 //! RabbitMQ, against a real server (`IDEM_RABBITMQ_URL`, default amqp://guest:guest@127.0.0.1:5672/%2f): clear
-//! errors at start-up for wrong credentials, an unreachable server and a missing queue; the producer's confirms.
+//! errors at start-up for wrong credentials, an unreachable server and a missing queue; the producer's confirms;
+//! dead letters handed to the queue's dead-letter exchange; a quorum queue's last delivery kept as a dead letter.
 #![cfg(feature = "rabbitmq")]
 
 mod common;
@@ -51,5 +52,107 @@ async fn a_message_comes_with_its_handle_and_is_gone_once_acknowledged() {
     source.ack(&Acknowledgement::of(std::slice::from_ref(&message)).unwrap()).await.unwrap();
     assert!(source.recv().await.unwrap().is_none(), "acknowledged: the queue is empty");
     drop(source);
+    delete_queue(&url(), &queue).await.unwrap();
+}
+
+/// Declares `name` with `arguments` (and a durable queue for each `also`), through a connection of its own.
+async fn declare(name: &str, arguments: lapin::types::FieldTable, also: &[&str]) -> lapin::Channel {
+    let connection = idem::rabbitmq::connect(&url()).await.unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let options = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
+    channel.queue_declare(name.into(), options, arguments).await.unwrap();
+    for other in also {
+        channel.queue_declare((*other).into(), options, lapin::types::FieldTable::default()).await.unwrap();
+    }
+    std::mem::forget(connection); // the channel lives as long as the test
+    channel
+}
+
+async fn dead_letters(db: &common::TestPg) -> Vec<(Option<String>, String, i32)> {
+    sqlx::query_as("SELECT event_id, error, attempts FROM dead_letters ORDER BY id").fetch_all(&db.pool).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_is_also_routed_to_the_queues_dead_letter_exchange_when_asked() {
+    use lapin::types::{AMQPValue, FieldTable};
+    let db = common::pg().await;
+    common::setup(&db.pool).await;
+    let queue = unique("dlx");
+    let parked = format!("{queue}.parked");
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
+    arguments.insert("x-dead-letter-routing-key".into(), AMQPValue::LongString(parked.as_str().into()));
+    let channel = declare(&queue, arguments, &[&parked]).await;
+    let producer = RabbitProducer::connect(&url()).await.unwrap();
+    for payload in [r#"{"id":"a","amount":1}"#, r#"{"id":"b","amount":2,"poison":true}"#, r#"{"id":"c","amount":4}"#] {
+        producer.send(&queue, payload.as_bytes(), &[]).await.unwrap();
+    }
+    let rabbit = RabbitConfig { stop_at_end: true, dead_letter_exchange: true, ..RabbitConfig::new(url(), &[&queue]) };
+    let engine = idem::Engine::new(db.pool.clone(), config(10)).unwrap();
+    let source = RabbitSource::connect(&rabbit, engine.config()).await.unwrap();
+    let stats = engine.run(source, common::Ledger::default(), std::future::pending::<()>()).await.unwrap();
+    assert_eq!((stats.processed, stats.dead_lettered), (2, 1));
+    assert_eq!(common::ledger_total(&db.pool).await, 5, "the poison payment's entry rolled back");
+    let letters = dead_letters(&db).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].0.as_deref(), Some("b"));
+
+    // RabbitMQ routed the rejected delivery to the parking queue, with its own record of why.
+    let got = channel
+        .basic_get(parked.as_str().into(), lapin::options::BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .expect("the dead letter reached the queue's dead-letter exchange");
+    assert!(String::from_utf8_lossy(&got.delivery.data).contains(r#""id":"b""#));
+    let headers = got.delivery.properties.headers().clone().unwrap_or_default();
+    assert!(headers.inner().contains_key("x-death"), "{headers:?}");
+    let nothing_else = channel.basic_get(parked.as_str().into(), lapin::options::BasicGetOptions { no_ack: true });
+    assert!(nothing_else.await.unwrap().is_none(), "only the dead letter was rejected; the rest acknowledged");
+    for q in [&queue, &parked] {
+        delete_queue(&url(), q).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_delivery_a_quorum_queue_allows_is_dead_lettered_without_the_handler() {
+    use lapin::types::{AMQPValue, FieldTable};
+    let db = common::pg().await;
+    common::setup(&db.pool).await;
+    let queue = unique("limit");
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    arguments.insert("x-delivery-limit".into(), AMQPValue::LongInt(2));
+    let channel = declare(&queue, arguments, &[]).await;
+    let producer = RabbitProducer::connect(&url()).await.unwrap();
+    producer.send(&queue, br#"{"id":"crasher","amount":7}"#, &[]).await.unwrap();
+    producer.send(&queue, br#"{"id":"fine","amount":1}"#, &[]).await.unwrap();
+
+    // Two deliveries of the first message fail the way a crashing consumer does: returned to the queue.
+    for _ in 0..2 {
+        let got = channel
+            .basic_get(queue.as_str().into(), lapin::options::BasicGetOptions { no_ack: false })
+            .await
+            .unwrap()
+            .expect("the first message");
+        assert!(String::from_utf8_lossy(&got.delivery.data).contains("crasher"));
+        got.delivery
+            .acker
+            .nack(lapin::options::BasicNackOptions { requeue: true, ..Default::default() })
+            .await
+            .unwrap();
+    }
+
+    let rabbit = RabbitConfig { stop_at_end: true, delivery_limit: Some(2), ..RabbitConfig::new(url(), &[&queue]) };
+    let engine = idem::Engine::new(db.pool.clone(), config(10)).unwrap();
+    let source = RabbitSource::connect(&rabbit, engine.config()).await.unwrap();
+    let stats = engine.run(source, common::Ledger::default(), std::future::pending::<()>()).await.unwrap();
+    assert_eq!((stats.processed, stats.dead_lettered), (1, 1));
+    assert_eq!(common::ledger_rows(&db.pool, "crasher").await, 0, "the handler never applied the last delivery");
+    assert_eq!(common::ledger_total(&db.pool).await, 1);
+    let letters = dead_letters(&db).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!((letters[0].0.as_deref(), letters[0].2), (Some("crasher"), 0));
+    assert!(letters[0].1.contains("delivery limit (2)") && letters[0].1.contains("replay"), "{}", letters[0].1);
+    assert_eq!(common::markers(&db.pool, "crasher").await, 1, "a redelivery is now a plain duplicate");
     delete_queue(&url(), &queue).await.unwrap();
 }

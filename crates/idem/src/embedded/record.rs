@@ -127,6 +127,7 @@ pub(super) fn decode(body: &[u8], partition: &Partition, offset: i64) -> Result<
         headers,
         timestamp_ms: Some(timestamp_ms),
         ack_handle: None,
+        dead_letter_reason: None,
     })
 }
 

@@ -4,6 +4,7 @@
 use std::future::Future;
 
 use super::Engine;
+use super::outcome::Outcome;
 use super::retry::Shutdown;
 use crate::error::{Error, HandlerError};
 use crate::handler::{BatchHandler, Handler};
@@ -23,22 +24,24 @@ pub(crate) trait Apply<DB: Backend>: Send + Sync {
 /// What a partition worker does with one batch of its partition's messages, in order; the engine's marker path
 /// and the Sequential Inbox are the two implementations. `Err(Error::Stopped)` leaves the batch unacknowledged.
 pub(crate) trait Process<DB: Backend>: Send + Sync + 'static {
-    /// Handles `batch` to the end (committed or dead-lettered), so that it can be acknowledged.
+    /// Handles `batch` to the end (committed or dead-lettered), so that it can be acknowledged; says, for each
+    /// message in order, whether it was dead-lettered.
     fn process(
         &self,
         engine: &Engine<DB>,
         batch: Vec<Message>,
         shutdown: &Shutdown,
-    ) -> impl Future<Output = Result<(), Error>> + Send;
+    ) -> impl Future<Output = Result<Vec<bool>, Error>> + Send;
 }
 
 /// The marker path: every message of the batch through [`Engine::process_items`].
 pub(super) struct Marked<A>(pub(super) A);
 
 impl<DB: Backend, A: Apply<DB> + 'static> Process<DB> for Marked<A> {
-    async fn process(&self, engine: &Engine<DB>, batch: Vec<Message>, shutdown: &Shutdown) -> Result<(), Error> {
+    async fn process(&self, engine: &Engine<DB>, batch: Vec<Message>, shutdown: &Shutdown) -> Result<Vec<bool>, Error> {
         let items = engine.items(batch);
-        engine.process_items(&items, &self.0, shutdown).await.map(drop)
+        let outcomes = engine.process_items(&items, &self.0, shutdown).await?;
+        Ok(outcomes.into_iter().map(|o| o == Outcome::DeadLettered).collect())
     }
 }
 

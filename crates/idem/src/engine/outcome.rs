@@ -169,8 +169,13 @@ impl<DB: Backend> Engine<DB> {
             match outcome {
                 Outcome::Duplicate => tracing::info!(event_id, consumer_group = %group, topic = %m.topic,
                     partition = m.partition, offset = m.offset, outcome = outcome.as_str(), "duplicate skipped"),
-                Outcome::DeadLettered => tracing::warn!(event_id, consumer_group = %group, topic = %m.topic,
-                    partition = m.partition, offset = m.offset, outcome = outcome.as_str(), "message has no idempotency key; dead-lettered"),
+                Outcome::DeadLettered => match (&m.dead_letter_reason, item) {
+                    (Some(reason), Item::Keyed(_)) => tracing::warn!(event_id, consumer_group = %group,
+                        topic = %m.topic, partition = m.partition, offset = m.offset, outcome = outcome.as_str(),
+                        reason, "the broker's last delivery; dead-lettered without calling the handler"),
+                    _ => tracing::warn!(event_id, consumer_group = %group, topic = %m.topic, partition = m.partition,
+                        offset = m.offset, outcome = outcome.as_str(), "message has no idempotency key; dead-lettered"),
+                },
                 Outcome::Processed => tracing::debug!(event_id, consumer_group = %group, topic = %m.topic,
                     partition = m.partition, offset = m.offset, outcome = outcome.as_str(), batch_ms = elapsed_ms, "processed"),
                 // Logged at WARN, with the first delivery's position, where it was detected.

@@ -15,7 +15,7 @@ use super::apply::Process;
 use super::outcome::StatsSnapshot;
 use super::retry::Shutdown;
 use crate::error::{Error, Retry};
-use crate::message::Message;
+use crate::message::{AckHandle, Message};
 use crate::source::{Acknowledgement, Partition, Received, Source};
 use crate::store::Backend;
 
@@ -191,10 +191,17 @@ impl<DB: Backend> Engine<DB> {
                         Err(_) => break,
                     }
                 }
-                let Some(acknowledgement) = Acknowledgement::of(&batch) else { continue };
+                let Some(mut acknowledgement) = Acknowledgement::of(&batch) else { continue };
+                let handles: Vec<Option<AckHandle>> = batch.iter().map(|m| m.ack_handle.clone()).collect();
                 engine.detect_gaps(&mut gaps, &batch);
                 match apply.process(&engine, batch, &stop).await {
-                    Ok(_) => {}
+                    Ok(dead_lettered) => {
+                        acknowledgement.dead_lettered = handles
+                            .into_iter()
+                            .zip(dead_lettered)
+                            .filter_map(|(handle, dead)| handle.filter(|_| dead))
+                            .collect();
+                    }
                     Err(Error::Stopped) => break,
                     Err(error) => {
                         tracing::error!(%error, topic = %partition.topic, partition = partition.partition, "partition worker stopped");

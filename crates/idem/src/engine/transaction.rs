@@ -217,6 +217,20 @@ impl<DB: Backend> Engine<DB> {
             }
             for ((index, event), claim) in claimed.iter().zip(claims.into_iter().flatten()) {
                 match claim {
+                    Claim::New if event.message.dead_letter_reason.is_some() => {
+                        // The broker's last delivery: kept as a dead letter, not handled (see `Message`).
+                        let reason = event.message.dead_letter_reason.as_deref().unwrap_or_default();
+                        let letter = NewDeadLetter {
+                            event_id: Some(&event.id),
+                            message: &event.message,
+                            error: reason,
+                            attempts: 0,
+                        };
+                        DB::dead_letter(&mut *tx, &config.tables, &config.group, &letter)
+                            .await
+                            .map_err(Failure::Database)?;
+                        outcomes[*index] = Outcome::DeadLettered;
+                    }
                     Claim::New => {
                         outcomes[*index] = Outcome::Processed;
                         fresh.push(event);

@@ -193,6 +193,7 @@ impl SequentialInbox {
                 headers: decode_headers(row.get::<&str, _>(12)),
                 timestamp_ms: None,
                 ack_handle: None,
+                dead_letter_reason: None,
             };
             let reason = match (status.as_str(), error) {
                 ("FAILED", Some(error)) => format!(

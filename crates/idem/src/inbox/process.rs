@@ -10,7 +10,9 @@ use sqlx::{Connection, PgConnection, Postgres};
 use super::store::{self, Status, Waiting};
 use super::{InboxOutcome, InboxTransactions, QualifiedType, Route, Sequenced, SequentialInbox};
 pub(crate) use crate::engine::Failure;
-use crate::engine::{End, Engine, Failed, GaveUp, PerMessageRef, Process, Retrying, Shutdown, check_intact, retry};
+use crate::engine::{
+    End, Engine, Failed, GaveUp, Outcome, PerMessageRef, Process, Retrying, Shutdown, check_intact, retry,
+};
 use crate::error::{Error, HandlerError, Retry, classify};
 use crate::handler::Handler;
 use crate::message::{Event, Message};
@@ -23,8 +25,17 @@ pub(crate) struct InboxProcess<H> {
 }
 
 impl<H: Handler<Postgres>> Process<Postgres> for InboxProcess<H> {
-    async fn process(&self, _engine: &Engine<Postgres>, batch: Vec<Message>, shutdown: &Shutdown) -> Result<(), Error> {
-        self.inbox.process_batch(batch, self.handler.as_ref(), shutdown).await.map(drop)
+    async fn process(
+        &self,
+        _engine: &Engine<Postgres>,
+        batch: Vec<Message>,
+        shutdown: &Shutdown,
+    ) -> Result<Vec<bool>, Error> {
+        let outcomes = self.inbox.process_batch(batch, self.handler.as_ref(), shutdown).await?;
+        Ok(outcomes
+            .into_iter()
+            .map(|o| matches!(o, InboxOutcome::DeadLettered | InboxOutcome::Direct(Outcome::DeadLettered)))
+            .collect())
     }
 }
 

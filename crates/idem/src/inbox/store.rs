@@ -251,6 +251,7 @@ pub(crate) async fn waiting(
                 headers: decode_headers(r.get::<&str, _>(8)),
                 timestamp_ms: None,
                 ack_handle: None,
+                dead_letter_reason: None,
             },
             forced: r.get(9),
         })

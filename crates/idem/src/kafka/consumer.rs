@@ -317,6 +317,7 @@ fn owned(message: &BorrowedMessage<'_>) -> Message {
         headers,
         timestamp_ms: message.timestamp().to_millis(),
         ack_handle: None,
+        dead_letter_reason: None,
     }
 }
 

@@ -36,6 +36,8 @@ pub struct NatsSource {
     messages: tokio::sync::Mutex<pull::Stream>,
     in_hand: InHand,
     progress: tokio::task::JoinHandle<()>,
+    /// The consumer's `max_deliver` (`-1` or `0`: no limit): a message on its last delivery is dead-lettered.
+    max_deliver: i64,
 }
 
 impl NatsSource {
@@ -126,6 +128,7 @@ impl NatsSource {
             messages: tokio::sync::Mutex::new(messages),
             in_hand,
             progress,
+            max_deliver: existing.max_deliver,
         })
     }
 
@@ -182,6 +185,21 @@ impl NatsSource {
             headers,
             timestamp_ms,
             ack_handle: Some(AckHandle::new(Delivery { sequence, reply })),
+            dead_letter_reason: self.last_delivery(delivered),
+        })
+    }
+}
+
+impl NatsSource {
+    /// The reason to dead-letter a message delivered `delivered` times, when the server will not deliver it again.
+    fn last_delivery(&self, delivered: i64) -> Option<String> {
+        (self.max_deliver > 0 && delivered >= self.max_deliver).then(|| {
+            format!(
+                "delivered {delivered} times, the consumer's max_deliver ({}): JetStream will not deliver it again, so \
+                 idem kept it as a dead letter instead of calling the handler (a message that crashes the consumer \
+                 ends here). Replay it with idem dead-letters replay --nats URL once the cause is fixed",
+                self.max_deliver
+            )
         })
     }
 }
@@ -251,8 +269,10 @@ impl Source for NatsSource {
             let Some(delivery) = handle.get::<Delivery>() else {
                 return Err(SourceError::permanent("nats ack", "a handle that is not a NATS delivery"));
             };
+            // A dead letter is settled with +TERM: the server stops redelivering it and reports it terminated.
+            let settle = if ack.dead_lettered.contains(handle) { "+TERM" } else { "+ACK" };
             self.client
-                .publish(delivery.reply.clone(), "+ACK".into())
+                .publish(delivery.reply.clone(), settle.into())
                 .await
                 .map_err(|e| SourceError::transient("nats ack", e))?;
             lock(&self.in_hand).remove(&delivery.sequence);

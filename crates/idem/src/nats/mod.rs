@@ -17,6 +17,12 @@
 //!   a message's partition is a hash of its subject, so subjects are handled in parallel and each keeps its order.
 //!   Several processes sharing the durable consumer split its messages between them, so per-key order across
 //!   processes needs one stream (or one filtered consumer) per key range.
+//! * **Delivery limit.** With `max_deliver` set, the delivery the server calls its last (`delivered ==
+//!   max_deliver`) is not handed to the handler: the engine writes its dead letter in the transaction with its
+//!   marker (see [`Message::dead_letter_reason`](crate::Message::dead_letter_reason)), and the source settles it
+//!   with `+TERM`, so JetStream stops and reports it. Any other dead letter is terminated the same way.
+//! * **Retries stay in hand.** A retryable failure is retried while the message is kept in progress, never
+//!   `Nak`ed: a negative acknowledgement would let later messages of the subject overtake it.
 //! * **Order across redelivery.** A message that a crashed consumer held comes again after AckWait, behind later
 //!   messages, unless [`NatsConfig::max_ack_pending`] is 1 (strict order, one message per round trip).
 
@@ -51,7 +57,8 @@ pub struct NatsConfig {
     /// shorter. Default 10 s.
     pub max_batch_time: Duration,
     /// Deliveries after which the server stops delivering a message (`-1`: no limit, the default). idem
-    /// dead-letters its own failures long before; the limit catches a message that crashes the process.
+    /// dead-letters its own failures long before; the limit catches a message that crashes or hangs the process:
+    /// its last delivery is kept as a dead letter, without calling the handler, and terminated.
     pub max_deliver: i64,
     /// Partitions the stream's messages are spread over, by a hash of their subject (CRC-32, as Kafka's
     /// producers hash keys): each partition is handled in order, the partitions in parallel, so the messages of

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, BasicRejectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use tokio::sync::mpsc;
 
@@ -132,12 +132,13 @@ impl RabbitSource {
     }
 }
 
-fn to_message(queue: String, delivery: Delivery) -> Message {
+fn to_message(queue: String, delivery: Delivery, delivery_limit: Option<u32>) -> Message {
     if delivery.redelivered {
         metrics::counter!("rabbitmq_redelivered_total", "queue" => queue.clone()).increment(1);
     }
     let headers = delivery.properties.headers().as_ref().map(header_pairs).unwrap_or_default();
     let timestamp_ms = delivery.properties.timestamp().map(|seconds| (seconds as i64).saturating_mul(1000));
+    let dead_letter_reason = last_delivery(&headers, delivery_limit);
     Message {
         topic: queue,
         partition: 0,
@@ -147,7 +148,24 @@ fn to_message(queue: String, delivery: Delivery) -> Message {
         headers,
         timestamp_ms,
         ack_handle: Some(AckHandle::new(delivery.acker)),
+        dead_letter_reason,
     }
+}
+
+/// The reason to dead-letter a delivery whose `x-delivery-count` (a quorum queue's count of earlier failed
+/// deliveries) has reached the queue's delivery limit: one more failure and RabbitMQ drops it.
+fn last_delivery(headers: &[(String, Vec<u8>)], delivery_limit: Option<u32>) -> Option<String> {
+    let limit = delivery_limit?;
+    let (_, count) = headers.iter().find(|(name, _)| name == "x-delivery-count")?;
+    let count: u64 = std::str::from_utf8(count).ok()?.parse().ok()?;
+    (count >= u64::from(limit)).then(|| {
+        format!(
+            "delivered {} times, past the queue's delivery limit ({limit}): RabbitMQ would drop it on the next \
+             failure, so idem kept it as a dead letter instead of calling the handler (a message that crashes the \
+             consumer ends here). Replay it with idem dead-letters replay --rabbitmq URL once the cause is fixed",
+            count + 1
+        )
+    })
 }
 
 /// The headers that carry text or bytes, as (name, bytes); numbers and booleans as their text.
@@ -181,7 +199,7 @@ impl Source for RabbitSource {
             };
             let lost = match tokio::time::timeout(IDLE_CHECK, current.arrivals.recv()).await {
                 Ok(Some(Arrival::Delivery(queue, delivery))) => {
-                    return Ok(Some(Received::Message(to_message(queue, *delivery))));
+                    return Ok(Some(Received::Message(to_message(queue, *delivery, self.config.delivery_limit))));
                 }
                 Ok(Some(Arrival::Lost(reason))) => reason,
                 Ok(None) => "every consumer ended".to_owned(),
@@ -207,6 +225,15 @@ impl Source for RabbitSource {
             let Some(acker) = handle.get::<lapin::Acker>() else {
                 return Err(SourceError::permanent("rabbitmq ack", "a handle that is not a RabbitMQ delivery"));
             };
+            if self.config.dead_letter_exchange && ack.dead_lettered.contains(handle) {
+                // Rejected without requeue: RabbitMQ routes it to the queue's x-dead-letter-exchange (or drops it
+                // when the queue has none), after idem's own dead-letter row committed.
+                acker
+                    .reject(BasicRejectOptions { requeue: false })
+                    .await
+                    .map_err(|e| SourceError::transient("rabbitmq reject", e))?;
+                continue;
+            }
             acker
                 .ack(BasicAckOptions { multiple: false })
                 .await

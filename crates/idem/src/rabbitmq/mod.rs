@@ -15,8 +15,13 @@
 //!   (its acknowledgements then fail on the dead channel: those messages come again, flagged `redelivered`, and
 //!   are absorbed as duplicates), then connects again with backoff.
 //! * **Dead letters** are idem's: a message that fails for good is written to the dead-letter table in the same
-//!   transaction as its marker, then acknowledged. A queue's own `x-dead-letter-exchange` still catches what
-//!   RabbitMQ rejects by itself (expired messages, an overflowing queue).
+//!   transaction as its marker, then acknowledged, or, with [`RabbitConfig::dead_letter_exchange`], rejected
+//!   without requeue so RabbitMQ also routes it to the queue's `x-dead-letter-exchange`. That exchange still
+//!   catches what RabbitMQ rejects by itself (expired messages, an overflowing queue).
+//! * **Delivery limit.** A quorum queue counts failed deliveries (`x-delivery-count`) and drops a message past its
+//!   `x-delivery-limit`. Give idem the limit ([`RabbitConfig::delivery_limit`]) and the last delivery becomes a
+//!   dead letter in idem's table instead of a message the broker drops (a message that crashes the consumer each
+//!   time would otherwise be lost to the database).
 
 mod consumer;
 mod producer;
@@ -40,6 +45,17 @@ pub struct RabbitConfig {
     pub no_ack: bool,
     /// Return the end of the source once every queue is empty and nothing arrived for a second (demos, tests).
     pub stop_at_end: bool,
+    /// Also hand each message idem dead-letters to RabbitMQ's own dead-lettering: after its dead-letter row
+    /// commits, the delivery is rejected without requeue instead of acknowledged, so RabbitMQ routes it to the
+    /// queue's `x-dead-letter-exchange` with an `x-death` header, where RabbitMQ-native tooling sees it. A queue
+    /// without that argument drops a rejected message, which after the committed row is the same as an
+    /// acknowledgement. Default `false`.
+    pub dead_letter_exchange: bool,
+    /// The quorum queue's `x-delivery-limit`, when it has one: a delivery whose `x-delivery-count` has reached it
+    /// is RabbitMQ's last (one more failure and the broker drops or dead-letters it by itself), so idem keeps it
+    /// as a dead letter without calling the handler. Catches a message that crashes the consumer on every
+    /// delivery. `None` (the default) for queues without a limit.
+    pub delivery_limit: Option<u32>,
 }
 
 impl RabbitConfig {
@@ -51,6 +67,8 @@ impl RabbitConfig {
             prefetch: None,
             no_ack: false,
             stop_at_end: false,
+            dead_letter_exchange: false,
+            delivery_limit: None,
         }
     }
 

@@ -395,6 +395,7 @@ impl DeadLetter {
             headers: self.headers.clone(),
             timestamp_ms: None,
             ack_handle: None,
+            dead_letter_reason: None,
         }
     }
 }
