@@ -1,6 +1,6 @@
 //! NATS JetStream, against a real server (`IDEM_NATS_URL`, default nats://127.0.0.1:4222): the retention guard on
 //! a stream's `max_age`, the AckWait guard and the acknowledgement-policy refusal on an existing consumer, clear
-//! errors for a wrong URL or a missing stream, the producer's message id dropping a retry, and the last delivery
+//! errors for a wrong URL, wrong credentials or a missing stream, the producer's message id dropping a retry, and the last delivery
 //! `max_deliver` allows kept as a dead letter and terminated.
 #![cfg(feature = "nats")]
 
@@ -102,6 +102,31 @@ async fn a_wrong_url_or_a_missing_stream_is_named() {
         .expect("no such stream")
         .to_string();
     assert!(err.contains(&missing) && err.contains("nats stream add"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_credentials_are_named_without_the_password() {
+    // A server of the test's own that asks for a user and password (the shared one asks for none).
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let binary = std::env::var("IDEM_NATS_SERVER").unwrap_or_else(|_| "/usr/sbin/nats-server".to_owned());
+    let mut server = std::process::Command::new(&binary)
+        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "--user", "idem", "--pass", "right"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {binary} (set IDEM_NATS_SERVER): {e}"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(std::time::Instant::now() < deadline, "the test's nats-server did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let wrong = NatsConfig::new(format!("nats://idem:wrong@127.0.0.1:{port}"), "s");
+    let err = NatsSource::connect(&wrong, &markers_for(Some(2))).await.err().map(|e| e.to_string());
+    let _ = server.kill();
+    let _ = server.wait();
+    let err = err.expect("a wrong password is refused");
+    assert!(err.contains(&format!("nats://idem:***@127.0.0.1:{port}")) && !err.contains("wrong"), "{err}");
+    assert!(err.to_lowercase().contains("authori"), "the cause is named: {err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -177,7 +177,10 @@ pub async fn connect(url: &str) -> Result<async_nats::Client, Error> {
         .connection_timeout(Duration::from_secs(5))
         .connect(url)
         .await
-        .map_err(|e| Error::Connect { target: format!("nats {url}"), reason: e.to_string() })
+        .map_err(|e| Error::Connect {
+            target: format!("nats {}", crate::error::redact_url(url)),
+            reason: e.to_string(),
+        })
 }
 
 /// Creates (or replaces) a file-backed stream `name` over `subjects`, keeping messages `max_age` (zero: forever)
