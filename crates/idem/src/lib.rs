@@ -76,6 +76,7 @@ pub mod kill_switch;
 pub mod message;
 #[cfg(feature = "nats")]
 pub mod nats;
+pub mod outbox;
 pub mod prune;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;

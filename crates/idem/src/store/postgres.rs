@@ -15,11 +15,12 @@ use crate::config::MarkerLayout;
 use crate::error::Error;
 use crate::message::Event;
 
-static MIGRATIONS: [Migration; 4] = [
+static MIGRATIONS: [Migration; 5] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/postgres/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/postgres/0002_dead_letters.sql") },
     Migration { version: 3, name: "payload_digest", sql: include_str!("sql/postgres/0003_payload_digest.sql") },
     Migration { version: 4, name: "sequential_inbox", sql: include_str!("sql/postgres/0004_sequential_inbox.sql") },
+    Migration { version: 5, name: "outbox", sql: include_str!("sql/postgres/0005_outbox.sql") },
 ];
 
 /// A stored marker as the reuse check reads it: event id, payload digest, topic, partition, offset.

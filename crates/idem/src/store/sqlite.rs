@@ -11,10 +11,11 @@ use crate::config::MarkerLayout;
 use crate::error::Error;
 use crate::message::Event;
 
-static MIGRATIONS: [Migration; 3] = [
+static MIGRATIONS: [Migration; 4] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/sqlite/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/sqlite/0002_dead_letters.sql") },
     Migration { version: 3, name: "payload_digest", sql: include_str!("sql/sqlite/0003_payload_digest.sql") },
+    Migration { version: 4, name: "outbox", sql: include_str!("sql/sqlite/0004_outbox.sql") },
 ];
 
 impl Store for Sqlite {
