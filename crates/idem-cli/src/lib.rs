@@ -7,6 +7,7 @@ pub mod demo;
 pub mod embedded_log;
 pub mod http;
 pub mod inbox;
+pub mod outbox;
 pub mod signals;
 
 use std::future::Future;

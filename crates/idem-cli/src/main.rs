@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use idem_cli::{DbArgs, commands, demo, embedded_log, inbox};
+use idem_cli::{DbArgs, commands, demo, embedded_log, inbox, outbox};
 
 /// Exactly-once effects over at-least-once message delivery.
 #[derive(Parser)]
@@ -95,6 +95,12 @@ enum Command {
     /// The embedded log: inspect it, move a consumer group past a damaged record, set a damaged tail aside.
     #[command(subcommand)]
     Log(embedded_log::LogCommand),
+    /// Deliver the outbox's committed messages to a broker, in order per key, until stopped (SIGINT/SIGTERM).
+    /// Run several: they share the work.
+    Relay(outbox::RelayArgs),
+    /// The outbox: list or count what waits, requeue dead-lettered messages.
+    #[command(subcommand)]
+    Outbox(outbox::OutboxCommand),
 }
 
 #[derive(Subcommand)]
@@ -228,6 +234,8 @@ fn main() -> ExitCode {
                 }
                 Command::Inbox(command) => inbox::run(command).await,
                 Command::Log(command) => embedded_log::run(command).await,
+                Command::Relay(args) => outbox::relay(args).await,
+                Command::Outbox(command) => outbox::command(command).await,
                 Command::Markers(MarkersCommand::Layout { db, json }) => commands::markers_layout(&db, json).await,
                 Command::Markers(MarkersCommand::Convert { db, to, period, create_ahead }) => {
                     let period = (to == "partitioned").then_some(period);

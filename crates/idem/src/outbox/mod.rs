@@ -32,7 +32,7 @@ mod store;
 
 pub use delivery::{Call, Delivered, Delivery, DeliveryError, Publish};
 pub use relay::{Relay, RelayConfig, RelayStats};
-pub use store::{OutboxConnection, OutboxStats, OutboxStore, requeue_dead_letter};
+pub use store::{OutboxConnection, OutboxStats, OutboxStore, list, requeue_dead_letter, stats};
 
 use crate::message::{EVENT_ID_HEADER, Message};
 use crate::store::Tables;

@@ -123,6 +123,20 @@ pub async fn requeue_dead_letter<DB: OutboxStore>(
     DB::requeue(pool, tables, id).await
 }
 
+/// The oldest `limit` messages waiting in the outbox in `tables`.
+pub async fn list<DB: OutboxStore>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    limit: i64,
+) -> Result<Vec<OutboxMessage>, Error> {
+    DB::list(pool, tables, limit).await
+}
+
+/// How many messages wait in the outbox in `tables`, the oldest one's age, how many failed.
+pub async fn stats<DB: OutboxStore>(pool: &sqlx::Pool<DB>, tables: &Tables) -> Result<OutboxStats, Error> {
+    DB::outbox_stats(pool, tables).await
+}
+
 const COLUMNS: &str = "id, event_id, destination, key, payload, headers, slot, attempts, last_error";
 
 fn row_of<R: Row>(row: &R, age_seconds: f64) -> Result<OutboxMessage, sqlx::Error>
@@ -185,7 +199,8 @@ impl OutboxStore for Postgres {
         _lease: Duration,
     ) -> Result<Vec<i32>, sqlx::Error> {
         // Slot s is the exclusive lock (ns, s); every relay also holds the shared lock (ns, SLOTS), so relays
-        // without a slot yet count when the share is worked out.
+        // without a slot yet count when the share is worked out. Advisory locks are per database: relays of
+        // another database on the same server are not counted.
         let ns = lock_namespace(tables);
         let mine = async |conn: &mut PgConnection| -> Result<Vec<i32>, sqlx::Error> {
             sqlx::query_scalar(
@@ -207,7 +222,8 @@ impl OutboxStore for Postgres {
         }
         let relays: i64 = sqlx::query_scalar(
             "SELECT count(DISTINCT pid) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1::int::oid
-               AND objid = $2::int::oid AND objsubid = 2 AND granted",
+               AND objid = $2::int::oid AND objsubid = 2 AND granted
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
         )
         .bind(ns)
         .bind(SLOTS)

@@ -1,0 +1,269 @@
+//! `idem relay` (deliver an outbox's committed messages to a broker) and `idem outbox list|stats|requeue`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, Subcommand};
+use idem::Tables;
+use idem::embedded::EmbeddedLog;
+use idem::outbox::{Delivery, OutboxStore, Publish, Relay, RelayConfig};
+
+use crate::db::{self, Db};
+use crate::{DbArgs, with_pool};
+
+/// `idem relay`: where the outbox is, where its messages go, how the relay runs.
+#[derive(Args, Debug)]
+pub struct RelayArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Deliver to this embedded log: each message to the topic named by its destination (created with one
+    /// partition when missing).
+    #[arg(long, required_unless_present_any = ["kafka", "nats", "rabbitmq"], conflicts_with_all = ["kafka", "nats", "rabbitmq"])]
+    log_dir: Option<PathBuf>,
+    /// Deliver to these Kafka brokers (host:port), each message to the topic named by its destination.
+    #[arg(long, conflicts_with_all = ["nats", "rabbitmq"])]
+    kafka: Option<String>,
+    /// Deliver to this NATS JetStream server (nats://host:port), each message to the subject named by its
+    /// destination.
+    #[arg(long, conflicts_with = "rabbitmq")]
+    nats: Option<String>,
+    /// Deliver to this RabbitMQ server (amqp://…), each message to the queue named by its destination.
+    #[arg(long)]
+    rabbitmq: Option<String>,
+    /// The relay's name (its dead letters' consumer group is `outbox:<name>`).
+    #[arg(long, default_value = "relay")]
+    name: String,
+    /// Messages per round.
+    #[arg(long, default_value_t = 500)]
+    batch_size: usize,
+    /// How often to look for work without a notification, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    poll_interval_ms: u64,
+    /// Failed attempts after which a message becomes a dead letter (default: retried until delivered).
+    #[arg(long)]
+    max_attempts: Option<u32>,
+    /// Stop once the outbox is empty instead of waiting for more.
+    #[arg(long)]
+    until_empty: bool,
+    /// Print what the relay did as JSON when it stops.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `idem outbox …`.
+#[derive(Subcommand, Debug)]
+pub enum OutboxCommand {
+    /// Messages waiting in the outbox, oldest first, with their attempts and last error.
+    List {
+        #[command(flatten)]
+        db: DbArgs,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// Print one JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// How many messages wait, the oldest one's age, how many failed at least once.
+    Stats {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put dead-lettered outbox messages (consumer group `outbox:<relay>`, see `idem dead-letters list`) back into
+    /// the outbox, with their event ids, to be delivered again.
+    Requeue {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Dead-letter ids.
+        ids: Vec<i64>,
+        /// Every outbox dead letter (of --relay, if given).
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+        /// Only this relay's dead letters (with --all).
+        #[arg(long)]
+        relay: Option<String>,
+    },
+}
+
+/// Runs `idem relay` until SIGINT/SIGTERM (or, with `--until-empty`, until the outbox is empty).
+pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
+    let signals = crate::signals::Signals::install()?;
+    let config = RelayConfig {
+        name: args.name.clone(),
+        batch_size: args.batch_size,
+        poll_interval: Duration::from_millis(args.poll_interval_ms),
+        max_attempts: args.max_attempts,
+        stop_when_empty: args.until_empty,
+        ..RelayConfig::default()
+    };
+    config.validate()?;
+    let tables = db::tables(&args.db)?;
+    let db = Db::open(&args.db.database_url, 2).await?;
+    let shutdown = signals.received();
+    let stats = match (&args.log_dir, &args.kafka, &args.nats, &args.rabbitmq) {
+        (_, Some(brokers), _, _) => {
+            let producer = kafka_producer(brokers)?;
+            with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
+        }
+        (_, None, Some(url), _) => {
+            let producer = nats_producer(url).await?;
+            with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
+        }
+        (_, None, None, Some(url)) => {
+            let producer = rabbitmq_producer(url).await?;
+            with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
+        }
+        (Some(dir), None, None, None) => {
+            let log = EmbeddedLog::open(dir).with_context(|| format!("--log-dir {}", dir.display()))?;
+            let producer = Publish(AutoTopics { log });
+            with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
+        }
+        (None, None, None, None) => bail!("give --log-dir, --kafka, --nats or --rabbitmq"),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&stats)?);
+    } else {
+        println!(
+            "delivered {}, failed attempts {}, dead-lettered {}",
+            stats.delivered, stats.failed, stats.dead_lettered
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn run<DB: OutboxStore, D: Delivery>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    config: RelayConfig,
+    delivery: D,
+    shutdown: impl std::future::Future + Send,
+) -> anyhow::Result<idem::outbox::RelayStats> {
+    let relay = Relay::new(pool.clone(), tables.clone(), config, delivery)?;
+    Ok(relay.run(shutdown).await?)
+}
+
+/// The embedded log's producer, creating a destination's topic (one partition) the first time it is written.
+struct AutoTopics {
+    log: EmbeddedLog,
+}
+
+impl idem::Publisher for AutoTopics {
+    async fn publish(&self, message: &idem::Message) -> Result<(), idem::source::SourceError> {
+        if self.log.partitions(&message.topic).is_err() {
+            self.log.create_topic(&message.topic, 1)?;
+        }
+        self.log.producer().publish(message).await
+    }
+}
+
+fn kafka_producer(brokers: &str) -> anyhow::Result<Publish<idem::kafka::KafkaProducer>> {
+    Ok(Publish(idem::kafka::KafkaProducer::new(brokers)?))
+}
+
+#[cfg(feature = "nats")]
+async fn nats_producer(url: &str) -> anyhow::Result<Publish<idem::nats::NatsProducer>> {
+    Ok(Publish(idem::nats::NatsProducer::connect(url).await?))
+}
+
+#[cfg(not(feature = "nats"))]
+async fn nats_producer(_: &str) -> anyhow::Result<Publish<AutoTopics>> {
+    bail!("--nats: this idem is built without the `nats` feature")
+}
+
+#[cfg(feature = "rabbitmq")]
+async fn rabbitmq_producer(url: &str) -> anyhow::Result<Publish<idem::rabbitmq::RabbitProducer>> {
+    Ok(Publish(idem::rabbitmq::RabbitProducer::connect(url).await?))
+}
+
+#[cfg(not(feature = "rabbitmq"))]
+async fn rabbitmq_producer(_: &str) -> anyhow::Result<Publish<AutoTopics>> {
+    bail!("--rabbitmq: this idem is built without the `rabbitmq` feature")
+}
+
+/// Runs an `idem outbox` command.
+pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        OutboxCommand::List { db, limit, json } => {
+            let tables = db::tables(&db)?;
+            let pool = Db::open(&db.database_url, 1).await?;
+            let messages = with_pool!(&pool, pool => idem::outbox::list(pool, &tables, limit).await?);
+            if json {
+                let rows: Vec<serde_json::Value> = messages
+                    .iter()
+                    .map(|m| {
+                        serde_json::json!({
+                            "id": m.id, "event_id": m.event_id, "destination": m.destination,
+                            "key": m.key.as_deref().map(String::from_utf8_lossy),
+                            "payload": String::from_utf8_lossy(&m.payload), "attempts": m.attempts,
+                            "last_error": m.last_error, "age_seconds": m.age_seconds,
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string(&rows)?);
+            } else {
+                println!(
+                    "{:>8}  {:<36}  {:<20}  {:>8}  {:>9}  last error",
+                    "id", "event id", "destination", "attempts", "age"
+                );
+                for m in &messages {
+                    println!(
+                        "{:>8}  {:<36}  {:<20}  {:>8}  {:>8.1}s  {}",
+                        m.id,
+                        m.event_id,
+                        m.destination,
+                        m.attempts,
+                        m.age_seconds,
+                        m.last_error.as_deref().unwrap_or("")
+                    );
+                }
+            }
+        }
+        OutboxCommand::Stats { db, json } => {
+            let tables = db::tables(&db)?;
+            let pool = Db::open(&db.database_url, 1).await?;
+            let stats = with_pool!(&pool, pool => idem::outbox::stats(pool, &tables).await?);
+            if json {
+                println!("{}", serde_json::to_string(&stats)?);
+            } else {
+                let oldest = stats.oldest_age_seconds.map_or("-".to_owned(), |s| format!("{s:.1}s"));
+                println!("pending {}, oldest {oldest}, failing {}", stats.pending, stats.failing);
+            }
+        }
+        OutboxCommand::Requeue { db, ids, all, relay } => {
+            if ids.is_empty() && !all {
+                bail!(
+                    "name the dead letters to requeue (ids from `idem dead-letters list --group outbox:<relay>`) or pass --all"
+                );
+            }
+            let tables = db::tables(&db)?;
+            let pool = Db::open(&db.database_url, 1).await?;
+            let group = relay.map(|r| format!("outbox:{r}"));
+            let letters = with_pool!(&pool, pool => idem::store::Operations::dead_letters(pool, &tables, group.as_deref(), i64::MAX).await?);
+            let chosen: Vec<i64> = letters
+                .iter()
+                .filter(|l| l.consumer_group.starts_with("outbox:"))
+                .filter(|l| all || ids.contains(&l.id))
+                .map(|l| l.id)
+                .collect();
+            for id in &ids {
+                if !chosen.contains(id) {
+                    bail!("no outbox dead letter with id {id}; see `idem dead-letters list --group outbox:<relay>`");
+                }
+            }
+            let mut requeued = 0;
+            for id in chosen {
+                if with_pool!(&pool, pool => idem::outbox::requeue_dead_letter(pool, &tables, id).await?) {
+                    requeued += 1;
+                    println!("requeued {id}");
+                }
+            }
+            println!("{requeued} dead letter(s) back in the outbox");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

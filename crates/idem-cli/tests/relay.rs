@@ -1,0 +1,151 @@
+//! `idem relay` as a process: killed with SIGKILL at random points (two at a time, too) while it delivers an
+//! outbox to an embedded log, its database connections cut under it; afterwards every message is in the log,
+//! each key's messages in commit order, a repeat only ever with the same event id. Then `idem outbox stats`.
+
+use std::collections::HashMap;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use idem::embedded::{ConsumerOptions, EmbeddedLog};
+use idem::outbox::{Outbox, OutgoingMessage};
+
+const KEYS: usize = 30;
+const PER_KEY: i64 = 80;
+
+fn fresh_postgres() -> String {
+    let server = std::env::var("IDEM_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let name = format!("idem_relay_{}_{nanos}", std::process::id());
+    let status = Command::new("psql")
+        .args([&format!("{server}/postgres"), "-qc", &format!("CREATE DATABASE {name}")])
+        .status()
+        .expect("psql");
+    assert!(status.success(), "create database {name}");
+    format!("{server}/{name}")
+}
+
+/// A relay process, killed with SIGKILL when dropped (so a failing test leaves none behind).
+struct RelayProcess(Option<Child>);
+
+impl RelayProcess {
+    /// Waits for the process to end by itself and returns its output.
+    fn finish(mut self) -> std::process::Output {
+        self.0.take().expect("running").wait_with_output().expect("wait for idem relay")
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill(); // SIGKILL
+            let _ = child.wait();
+        }
+    }
+}
+
+fn relay(url: &str, dir: &std::path::Path, extra: &[&str]) -> RelayProcess {
+    let child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["relay", "--database-url", url, "--log-dir"])
+        .arg(dir)
+        .args(["--batch-size", "40", "--poll-interval-ms", "50", "--name", "chaos"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start idem relay");
+    RelayProcess(Some(child))
+}
+
+/// A pseudo-random number from a counter (no dependency on a random crate).
+fn jitter(n: u64, below: u64) -> u64 {
+    (n.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407) >> 33) % below
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_killed_at_random_lose_nothing_and_keep_each_keys_order() {
+    let url = fresh_postgres();
+    let pool = idem::postgres::connect(&url, 4).await.unwrap();
+    idem::migrate(&pool, &idem::Tables::default()).await.unwrap();
+    let dir = std::env::temp_dir().join(format!("idem-relay-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let log = EmbeddedLog::open(&dir).unwrap();
+    log.create_topic("shipments", 1).unwrap();
+
+    // Enqueued in transactions of 40: key k's message n is committed before its message n + 1.
+    let mut enqueued: HashMap<(String, i64), String> = HashMap::new();
+    let order: Vec<(String, i64)> = (0..PER_KEY).flat_map(|n| (0..KEYS).map(move |k| (format!("k{k}"), n))).collect();
+    for chunk in order.chunks(40) {
+        let mut tx = pool.begin().await.unwrap();
+        let messages: Vec<OutgoingMessage> = chunk
+            .iter()
+            .map(|(key, n)| OutgoingMessage::new("shipments", format!(r#"{{"n":{n}}}"#)).with_key(key.as_str()))
+            .collect();
+        let ids = Outbox::default().enqueue_all(&mut *tx, &messages).await.unwrap();
+        tx.commit().await.unwrap();
+        for ((key, n), id) in chunk.iter().zip(ids) {
+            enqueued.insert((key.clone(), *n), id);
+        }
+    }
+
+    // Relays killed at random points, one or two at a time, their connections cut now and then.
+    let started = Instant::now();
+    for round in 0..8u64 {
+        let spawned: String = sqlx::query_scalar("SELECT now()::text").fetch_one(&pool).await.unwrap();
+        let mut running = vec![relay(&url, &dir, &[])];
+        if round % 3 == 1 {
+            running.push(relay(&url, &dir, &[]));
+        }
+        tokio::time::sleep(Duration::from_millis(150 + jitter(round, 350))).await;
+        if round % 4 == 2 {
+            // The relays' own connections (younger than this round), not the test's.
+            sqlx::query(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                  WHERE datname = current_database() AND backend_start >= $1::timestamptz",
+            )
+            .bind(&spawned)
+            .execute(&pool)
+            .await
+            .unwrap();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        drop(running); // SIGKILL
+    }
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox").fetch_one(&pool).await.unwrap();
+    assert!(left > 0, "the kills came too late to test anything: raise PER_KEY");
+
+    // One last relay, run to the end.
+    let last = relay(&url, &dir, &["--until-empty", "--json"]).finish();
+    assert!(last.status.success(), "{}", String::from_utf8_lossy(&last.stderr));
+    assert_eq!(sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox").fetch_one(&pool).await.unwrap(), 0);
+
+    // Everything arrived; each key in order of first arrival; repeats carry their event id.
+    let reader = log.consumer("check", &["shipments"], ConsumerOptions { stop_at_end: true, ..Default::default() });
+    let reader = reader.unwrap();
+    let mut next: HashMap<String, i64> = HashMap::new();
+    let mut repeats = 0;
+    while let Some(idem::source::Received::Message(m)) = idem::Source::recv(&reader).await.unwrap() {
+        let key = String::from_utf8(m.key.clone().unwrap()).unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
+        let n = body["n"].as_i64().unwrap();
+        let event_id = String::from_utf8(m.header("idem-event-id").unwrap().to_vec()).unwrap();
+        assert_eq!(enqueued[&(key.clone(), n)], event_id, "{key}/{n} carries the id it was enqueued with");
+        let expected = next.entry(key.clone()).or_default();
+        if n == *expected {
+            *expected += 1;
+        } else {
+            assert!(n < *expected, "{key}: {n} arrived before {expected}");
+            repeats += 1;
+        }
+    }
+    assert_eq!(next.len(), KEYS);
+    assert!(next.values().all(|&n| n == PER_KEY), "every message arrived: {next:?}");
+    eprintln!("{} messages, {repeats} repeats, {:?}", KEYS as i64 * PER_KEY, started.elapsed());
+
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["outbox", "stats", "--json", "--database-url", &url])
+        .output()
+        .unwrap();
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(stats["pending"], 0, "{stats}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
