@@ -324,8 +324,10 @@ impl<DB: OutboxStore, D: Delivery> Relay<DB, D> {
     /// Whether the whole outbox (every relay's slots) is empty; publishes the outbox gauges on the way.
     async fn outbox_empty(&self) -> Result<bool, Error> {
         let stats = DB::outbox_stats(&self.pool, &self.tables).await?;
-        metrics::gauge!("outbox_pending_messages").set(stats.pending as f64);
-        metrics::gauge!("outbox_oldest_pending_age_seconds").set(stats.oldest_age_seconds.unwrap_or(0.0));
+        let relay = self.config.name.clone();
+        metrics::gauge!("outbox_pending_messages", "relay" => relay.clone()).set(stats.pending as f64);
+        metrics::gauge!("outbox_oldest_pending_age_seconds", "relay" => relay)
+            .set(stats.oldest_age_seconds.unwrap_or(0.0));
         Ok(stats.pending == 0)
     }
 
