@@ -39,6 +39,19 @@ fn fresh_postgres() -> Option<String> {
     status.success().then(|| format!("{server}/{name}"))
 }
 
+/// `idem demo --chain` on the embedded default: both ledgers exact, every account's order kept in the second,
+/// with the consumers and the relays killed.
+#[test]
+fn chain_demo_on_the_embedded_log() {
+    let s = demo(&["--chain", "--events", "1500", "--crashes", "2"]);
+    let chain = &s["chain"];
+    assert_eq!(chain["relays_killed"], 2, "{s}");
+    assert_eq!(chain["second_crashes_survived"], 2, "{s}");
+    assert_eq!(chain["second_total_cents"], s["expected_total_cents"], "{s}");
+    assert_eq!(chain["second_ledger_entries"], 1500, "{s}");
+    assert_eq!((chain["out_of_order"].as_i64(), chain["outbox_left"].as_i64()), (Some(0), Some(0)), "{s}");
+}
+
 /// SIGKILL between the commit and the acknowledgement: the committed message comes again and is a duplicate.
 #[test]
 fn kill_after_commit_redelivers_as_duplicate() {

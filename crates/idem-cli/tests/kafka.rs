@@ -156,15 +156,17 @@ async fn kill_between_commits_then_rebalance_replays_as_duplicates() {
     psql(&format!("{server}/postgres"), &format!("DROP DATABASE {db} WITH (FORCE)"));
 }
 
-/// `idem demo --kafka`: the demo on the real broker and PostgreSQL, with its crashes.
+/// `idem demo --kafka --chain`: the demo on the real broker and PostgreSQL, with its crashes, and the chain after
+/// it: the credits' outbox relayed to a second topic by relays killed at random, applied by a second group.
 #[test]
-fn demo_on_kafka_and_postgres() {
+fn chain_demo_on_kafka_and_postgres() {
     let server = std::env::var("IDEM_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
     let db = unique("idem_kdemo");
     psql(&format!("{server}/postgres"), &format!("CREATE DATABASE {db}"));
     let url = format!("{server}/{db}");
     let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["demo", "--json", "--events", "2000", "--crashes", "2", "--kafka", &brokers(), "--database-url", &url])
+        .args(["demo", "--json", "--chain", "--events", "2000", "--crashes", "2", "--kafka", &brokers()])
+        .args(["--database-url", &url])
         .output()
         .expect("run idem demo");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -177,5 +179,10 @@ fn demo_on_kafka_and_postgres() {
     // Restarts resume at the committed offsets: far fewer redeliveries than a replay from the start.
     let redelivered = summary["deliveries"].as_u64().unwrap() - summary["log_records"].as_u64().unwrap();
     assert!(redelivered < 1000, "{summary}");
+    let chain = &summary["chain"];
+    assert_eq!(chain["relays_killed"], 2, "{summary}");
+    assert_eq!(chain["second_total_cents"], summary["expected_total_cents"], "{summary}");
+    assert_eq!(chain["second_ledger_entries"], 2000, "{summary}");
+    assert_eq!(chain["out_of_order"], 0, "{summary}");
     psql(&format!("{server}/postgres"), &format!("DROP DATABASE {db} WITH (FORCE)"));
 }

@@ -13,17 +13,19 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use idem::Tables;
-use serde::Serialize;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::db::Db;
 use crate::with_pool;
 
+mod chain;
 mod events;
+mod summary;
 mod worker;
 
 use events::{Plan, generate, write_embedded};
 pub use events::{ProduceArgs, Rng, produce, write_kafka, write_nats, write_rabbitmq};
+use summary::{Summary, print_summary};
 use worker::CommitReport;
 pub use worker::{WorkerArgs, worker};
 
@@ -71,6 +73,12 @@ pub struct DemoArgs {
     /// fresh queue per partition (each account's events in one of them), removed at the end.
     #[arg(long, conflicts_with_all = ["kafka", "nats"])]
     rabbitmq: Option<String>,
+    /// The chain: each credit also enqueues a `PaymentCredited` event in the outbox (same transaction); relays
+    /// (killed with SIGKILL at random points) deliver them to a second topic; a second consumer group (killed too)
+    /// applies them to a second ledger. Both ledgers are checked to the cent, and each account's order in the
+    /// second. Embedded log or Kafka.
+    #[arg(long, conflicts_with_all = ["nats", "rabbitmq"])]
+    chain: bool,
     /// Keep the log (and SQLite file) in this directory instead of a temporary one removed at the end.
     #[arg(long)]
     dir: Option<PathBuf>,
@@ -126,34 +134,6 @@ impl Transport {
             }
         }
     }
-}
-
-/// What the demo reports.
-#[derive(Debug, Default, Serialize)]
-struct Summary {
-    ok: bool,
-    database: &'static str,
-    events_produced: u64,
-    producer_duplicates: u64,
-    log_records: u64,
-    deliveries: u64,
-    processed: u64,
-    duplicates_absorbed: u64,
-    dead_lettered: u64,
-    crashes_survived: u32,
-    crashes_after_commit: u32,
-    crashes_before_commit: u32,
-    consumer_runs: u32,
-    expected_total_cents: i64,
-    actual_total_cents: i64,
-    expected_ledger_entries: i64,
-    ledger_entries: i64,
-    distinct_ledger_events: i64,
-    markers: i64,
-    dead_letter_rows: i64,
-    consume_seconds: f64,
-    throughput_per_second: f64,
-    mismatches: Vec<String>,
 }
 
 /// `idem demo`.
@@ -228,15 +208,23 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         ..Summary::default()
     };
     let started = Instant::now();
-    let consumed = consume(&args, &transport, &url, &plan, seed, &mut summary).await;
+    let announce = args.chain.then(|| chain::topic(&transport));
+    let extra: Vec<String> = announce.iter().flat_map(|t| ["--announce".to_owned(), t.clone()]).collect();
+    let mut consumed = consume(&args, &transport, &url, plan.records, seed, &extra, &mut summary).await;
+    summary.consume_seconds = started.elapsed().as_secs_f64();
+    if let (Some(topic), Ok(())) = (&announce, &consumed) {
+        consumed = chain::relay_and_apply(&args, &transport, topic, &url, &plan, seed, &mut summary).await;
+    }
     match &transport {
         Transport::Nats { url, stream, .. } => remove_nats_stream(url, stream).await,
         Transport::Rabbitmq { url, queues, .. } => remove_rabbitmq_queues(url, queues).await,
         Transport::Embedded(_) | Transport::Kafka { .. } => {}
     }
     consumed?;
-    summary.consume_seconds = started.elapsed().as_secs_f64();
     verify(&db, &plan, &mut summary).await?;
+    if args.chain {
+        chain::verify(&db, &plan, &mut summary).await?;
+    }
     summary.throughput_per_second = summary.deliveries as f64 / summary.consume_seconds.max(1e-9);
     if temporary {
         let _ = std::fs::remove_dir_all(&dir);
@@ -292,17 +280,34 @@ fn reset_dir(dir: &Path, log_dir: &Path) -> anyhow::Result<()> {
 /// Recreates the demo's tables: idem's (under the idem_demo_ prefix), the accounts and the ledger. The ledger has
 /// no unique constraint on purpose: a double application must show, not be hidden by the ledger itself.
 async fn prepare(db: &Db, tables: &Tables) -> anyhow::Result<()> {
-    for table in ["processed_events", "dead_letters", "idem_migrations", "accounts", "ledger"] {
+    let tables_of_the_demo = [
+        "processed_events",
+        "dead_letters",
+        "outbox",
+        "outbox_lease",
+        "idem_migrations",
+        "accounts",
+        "ledger",
+        "accounts2",
+        "ledger2",
+    ];
+    for table in tables_of_the_demo {
         db.execute(&format!("DROP TABLE IF EXISTS {}", tables.table(table))).await?;
     }
     with_pool!(db, pool => idem::migrate(pool, tables).await?);
     let create = format!(
-        "CREATE TABLE {accounts} (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL);
+        "CREATE TABLE {accounts} (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL, credits BIGINT NOT NULL DEFAULT 0);
          CREATE TABLE {ledger} (event_id TEXT NOT NULL, account BIGINT NOT NULL, amount BIGINT NOT NULL);
          WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n WHERE x < {ACCOUNTS})
-         INSERT INTO {accounts} (id, balance) SELECT x, 0 FROM n;",
+         INSERT INTO {accounts} (id, balance) SELECT x, 0 FROM n;
+         CREATE TABLE {accounts2} (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL, last_seq BIGINT NOT NULL DEFAULT 0,
+                                   out_of_order BIGINT NOT NULL DEFAULT 0);
+         CREATE TABLE {ledger2} (event_id TEXT NOT NULL, account BIGINT NOT NULL, amount BIGINT NOT NULL);
+         INSERT INTO {accounts2} (id, balance) SELECT id, 0 FROM {accounts};",
         accounts = tables.table("accounts"),
         ledger = tables.table("ledger"),
+        accounts2 = tables.table("accounts2"),
+        ledger2 = tables.table("ledger2"),
     );
     db.execute(&create).await
 }
@@ -312,11 +317,12 @@ async fn consume(
     args: &DemoArgs,
     transport: &Transport,
     url: &str,
-    plan: &Plan,
+    records: u64,
     seed: u64,
+    extra: &[String],
     summary: &mut Summary,
 ) -> anyhow::Result<()> {
-    let progress = indicatif::ProgressBar::new(plan.records);
+    let progress = indicatif::ProgressBar::new(records);
     if args.json {
         progress.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
@@ -338,7 +344,7 @@ async fn consume(
                 "mixed" => "after-commit",
                 fixed => fixed,
             };
-            let left = plan.records.saturating_sub(summary.deliveries);
+            let left = records.saturating_sub(summary.deliveries);
             let batches_left = left / (args.batch_size as u64).max(1);
             let at = 1 + rng.below((batches_left / u64::from(crashes_left + 1)).max(1));
             format!("{point}:{at}")
@@ -355,6 +361,7 @@ async fn consume(
             .arg(args.batch_size.to_string())
             .arg("--connections")
             .arg((args.partitions + 1).to_string())
+            .args(extra)
             .stdout(Stdio::piped())
             .stdin(Stdio::null())
             .kill_on_drop(true);
@@ -377,7 +384,7 @@ async fn consume(
                 summary.duplicates_absorbed += report.duplicate;
                 summary.dead_lettered += report.dead_lettered;
                 summary.deliveries += report.processed + report.duplicate + report.dead_lettered;
-                progress.set_position(summary.deliveries.min(plan.records));
+                progress.set_position(summary.deliveries.min(records));
             }
         }
         let status = child.wait().await?;
@@ -415,7 +422,13 @@ async fn verify(db: &Db, plan: &Plan, summary: &mut Summary) -> anyhow::Result<(
     let actual_total = db.scalar(&format!("SELECT CAST(COALESCE(SUM(balance), 0) AS BIGINT) FROM {accounts}")).await?;
     let entries = db.scalar(&format!("SELECT COUNT(*) FROM {ledger}")).await?;
     let distinct = db.scalar(&format!("SELECT COUNT(DISTINCT event_id) FROM {ledger}")).await?;
-    let markers = db.scalar(&format!("SELECT COUNT(*) FROM {}", tables.table("processed_events"))).await?;
+    // The first consumer group's markers (the chain's second group is `…-second`).
+    let markers = db
+        .scalar(&format!(
+            "SELECT COUNT(*) FROM {} WHERE consumer_group NOT LIKE '%-second'",
+            tables.table("processed_events")
+        ))
+        .await?;
     let dead = db.scalar(&format!("SELECT COUNT(*) FROM {}", tables.table("dead_letters"))).await?;
 
     summary.actual_total_cents = actual_total;
@@ -444,37 +457,6 @@ async fn verify(db: &Db, plan: &Plan, summary: &mut Summary) -> anyhow::Result<(
     check(dead == plan.poison as i64, format!("{dead} dead letters != expected {}", plan.poison));
     check(summary.crashes_survived > 0 || summary.consumer_runs == 1, "no crash happened".into());
     summary.ok = summary.mismatches.is_empty();
-    Ok(())
-}
-
-fn print_summary(s: &Summary, json: bool) -> anyhow::Result<()> {
-    if json {
-        println!("{}", serde_json::to_string(s)?);
-        return Ok(());
-    }
-    println!("idem demo: payments ledger on {}", s.database);
-    println!(
-        "  events produced        {:>12}  ({} sent twice by the producer)",
-        s.events_produced, s.producer_duplicates
-    );
-    println!("  deliveries             {:>12}  (log records: {})", s.deliveries, s.log_records);
-    println!("  processed              {:>12}", s.processed);
-    println!("  duplicates absorbed    {:>12}", s.duplicates_absorbed);
-    println!("  dead-lettered          {:>12}  (poison messages)", s.dead_lettered);
-    println!(
-        "  crashes survived       {:>12}  ({} between commit and ack, {} before commit; {} consumer runs)",
-        s.crashes_survived, s.crashes_after_commit, s.crashes_before_commit, s.consumer_runs
-    );
-    println!("  expected ledger total  {:>12}  cents in {} entries", s.expected_total_cents, s.expected_ledger_entries);
-    println!("  actual ledger total    {:>12}  cents in {} entries", s.actual_total_cents, s.ledger_entries);
-    println!("  throughput             {:>12.0}  deliveries/s ({:.1} s)", s.throughput_per_second, s.consume_seconds);
-    if s.ok {
-        println!("OK: every event applied exactly once");
-    } else {
-        for m in &s.mismatches {
-            println!("MISMATCH: {m}");
-        }
-    }
     Ok(())
 }
 

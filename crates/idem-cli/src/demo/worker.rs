@@ -71,6 +71,14 @@ pub struct WorkerArgs {
     /// Connections in the pool.
     #[arg(long, default_value_t = 5)]
     connections: u32,
+    /// The chain demo's first stage: with each credit, enqueue a `PaymentCredited` event for this topic in the
+    /// outbox, in the same transaction.
+    #[arg(long, conflicts_with = "second_ledger")]
+    announce: Option<String>,
+    /// The chain demo's second stage: apply `PaymentCredited` events (keyed by their `idem-event-id` header) to
+    /// the second ledger, checking each account's sequence.
+    #[arg(long)]
+    second_ledger: bool,
     /// Milliseconds the handler waits before each event, so a batch stays in hand for a while (the revocation
     /// test uses it).
     #[arg(long, default_value_t = 0, hide = true)]
@@ -103,11 +111,19 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     if args.kafka.is_none() && !args.kafka_settings.is_empty() {
         bail!("--kafka-setting applies to Kafka only: give --kafka BROKERS, or leave the settings out");
     }
-    let config = Config::new(args.group.clone(), KeyExtractor::JsonPointer("/idempotencyKey".into()))
-        .batch_size(args.batch_size)
-        .tables(Tables::new(None, PREFIX)?);
+    let key = if args.second_ledger {
+        KeyExtractor::Header(idem::message::EVENT_ID_HEADER.into())
+    } else {
+        KeyExtractor::JsonPointer("/idempotencyKey".into())
+    };
+    let config = Config::new(args.group.clone(), key).batch_size(args.batch_size).tables(Tables::new(None, PREFIX)?);
     let db = Db::open(&args.database_url, args.connections).await?;
-    let credit = Credit { delay: std::time::Duration::from_millis(args.handler_delay_ms) };
+    let stage = match (&args.announce, args.second_ledger) {
+        (Some(topic), _) => Stage::Announce(topic.clone()),
+        (None, true) => Stage::Second,
+        (None, false) => Stage::Credit,
+    };
+    let credit = Credit { delay: std::time::Duration::from_millis(args.handler_delay_ms), stage };
     if let Some(url) = &args.nats {
         return nats(url, &args, config, db, credit, signals).await;
     }
@@ -245,6 +261,18 @@ fn report_commit(committed: &Committed) {
 struct Credit {
     /// How long to wait before each event (zero but in tests).
     delay: std::time::Duration,
+    /// Which of the chain demo's stages this consumer is (or the plain demo's).
+    stage: Stage,
+}
+
+/// What a demo consumer does with an event.
+enum Stage {
+    /// The plain demo: credit the account.
+    Credit,
+    /// The chain's first stage: credit the account and enqueue a `PaymentCredited` event for this topic.
+    Announce(String),
+    /// The chain's second stage: apply a `PaymentCredited` event to the second ledger.
+    Second,
 }
 
 impl Credit {
@@ -261,35 +289,66 @@ struct Payment {
     amount: i64,
 }
 
+/// The chain's event: a payment was credited; `seq` numbers the credits of the account, in commit order.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct PaymentCredited {
+    account: i64,
+    amount: i64,
+    seq: i64,
+    payment: String,
+}
+
 const INSERT_ENTRY: &str = "INSERT INTO idem_demo_ledger (event_id, account, amount) VALUES ($1, $2, $3)";
-const CREDIT: &str = "UPDATE idem_demo_accounts SET balance = balance + $1 WHERE id = $2";
+const CREDIT: &str =
+    "UPDATE idem_demo_accounts SET balance = balance + $1, credits = credits + 1 WHERE id = $2 RETURNING credits";
+const INSERT_SECOND: &str = "INSERT INTO idem_demo_ledger2 (event_id, account, amount) VALUES ($1, $2, $3)";
+/// Applies a credit to the second ledger and counts it out of order unless it follows the account's last one.
+const APPLY_SECOND: &str = "UPDATE idem_demo_accounts2 SET balance = balance + $1, last_seq = $3,
+       out_of_order = out_of_order + CASE WHEN last_seq = $3 - 1 THEN 0 ELSE 1 END
+     WHERE id = $2";
 
-fn unknown_account(p: &Payment) -> HandlerError {
-    HandlerError::permanent(format!("account {} does not exist", p.account))
+fn unknown_account(account: i64) -> HandlerError {
+    HandlerError::permanent(format!("account {account} does not exist"))
 }
 
-impl Handler<sqlx::Postgres> for Credit {
-    async fn handle(&self, event: &Event, tx: &mut PgConnection) -> Result<(), HandlerError> {
-        self.pause().await;
-        let p: Payment = event.json()?;
-        sqlx::query(INSERT_ENTRY).bind(&event.id).bind(p.account).bind(p.amount).execute(&mut *tx).await?;
-        let credited = sqlx::query(CREDIT).bind(p.amount).bind(p.account).execute(&mut *tx).await?;
-        if credited.rows_affected() != 1 {
-            return Err(unknown_account(&p));
+/// The handler over either store: the statements are the same, the connection type differs.
+macro_rules! credit_handler {
+    ($db:ty, $conn:ty) => {
+        impl Handler<$db> for Credit {
+            async fn handle(&self, event: &Event, tx: &mut $conn) -> Result<(), HandlerError> {
+                self.pause().await;
+                if let Stage::Second = self.stage {
+                    let c: PaymentCredited = event.json()?;
+                    sqlx::query(INSERT_SECOND).bind(&event.id).bind(c.account).bind(c.amount).execute(&mut *tx).await?;
+                    let applied =
+                        sqlx::query(APPLY_SECOND).bind(c.amount).bind(c.account).bind(c.seq).execute(&mut *tx).await?;
+                    if applied.rows_affected() != 1 {
+                        return Err(unknown_account(c.account));
+                    }
+                    return Ok(());
+                }
+                let p: Payment = event.json()?;
+                sqlx::query(INSERT_ENTRY).bind(&event.id).bind(p.account).bind(p.amount).execute(&mut *tx).await?;
+                let seq: Option<i64> =
+                    sqlx::query_scalar(CREDIT).bind(p.amount).bind(p.account).fetch_optional(&mut *tx).await?;
+                let Some(seq) = seq else { return Err(unknown_account(p.account)) };
+                if let Stage::Announce(topic) = &self.stage {
+                    let credited =
+                        PaymentCredited { account: p.account, amount: p.amount, seq, payment: event.id.clone() };
+                    let body = serde_json::to_vec(&credited).map_err(|e| HandlerError::permanent(e.to_string()))?;
+                    let message =
+                        idem::outbox::OutgoingMessage::new(topic.as_str(), body).with_key(p.account.to_string());
+                    idem::outbox::Outbox::new(
+                        Tables::new(None, PREFIX).map_err(|e| HandlerError::permanent(e.to_string()))?,
+                    )
+                    .enqueue(&mut *tx, message)
+                    .await?;
+                }
+                Ok(())
+            }
         }
-        Ok(())
-    }
+    };
 }
 
-impl Handler<sqlx::Sqlite> for Credit {
-    async fn handle(&self, event: &Event, tx: &mut SqliteConnection) -> Result<(), HandlerError> {
-        self.pause().await;
-        let p: Payment = event.json()?;
-        sqlx::query(INSERT_ENTRY).bind(&event.id).bind(p.account).bind(p.amount).execute(&mut *tx).await?;
-        let credited = sqlx::query(CREDIT).bind(p.amount).bind(p.account).execute(&mut *tx).await?;
-        if credited.rows_affected() != 1 {
-            return Err(unknown_account(&p));
-        }
-        Ok(())
-    }
-}
+credit_handler!(sqlx::Postgres, PgConnection);
+credit_handler!(sqlx::Sqlite, SqliteConnection);
