@@ -23,8 +23,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Create or upgrade idem's tables (processed_events, dead_letters and, on PostgreSQL, the Sequential Inbox's);
-    /// safe to run twice and concurrently.
+    /// Create or upgrade idem's tables (processed_events, dead_letters, the outbox and, on PostgreSQL, the Sequential
+    /// Inbox's); safe to run twice and concurrently.
     Migrate {
         #[command(flatten)]
         db: DbArgs,
