@@ -1,6 +1,6 @@
-//! The operations endpoint of a consumer process: `/metrics` (Prometheus text), `/healthz` (the process is
-//! alive), `/readyz` (the database answers, the engine is consuming, not draining, and its kill switch is closed)
-//! and `POST /resume` (closes a tripped kill switch at once). A deliberately small HTTP/1.1 responder: one
+//! The operations endpoint of a consumer or relay process: `/metrics` (Prometheus text), `/healthz` (the process
+//! is alive), `/readyz` (the database answers and, for a consumer, the engine is consuming, not draining, and its
+//! kill switch is closed) and `POST /resume` (closes a consumer's tripped kill switch at once). A deliberately small HTTP/1.1 responder: one
 //! request per connection.
 
 use std::net::SocketAddr;
@@ -21,12 +21,55 @@ pub fn install_recorder() -> anyhow::Result<PrometheusHandle> {
     Ok(handle)
 }
 
+/// What the endpoint asks of the process it serves: a consumer's engine, or a relay.
+pub trait Probe: Clone + Send + Sync + 'static {
+    /// `/readyz`: the status line and the body.
+    fn readiness(&self) -> impl std::future::Future<Output = (&'static str, String)> + Send;
+    /// `POST /resume`: `Some(was paused)` where there is a kill switch to close, `None` where there is none.
+    fn resume(&self) -> Option<bool>;
+}
+
+impl<DB: Backend> Probe for Engine<DB> {
+    async fn readiness(&self) -> (&'static str, String) {
+        readiness(self).await
+    }
+
+    fn resume(&self) -> Option<bool> {
+        let paused = self.health().paused;
+        Engine::resume(self);
+        Some(paused)
+    }
+}
+
+/// A relay's probe: ready while its database answers.
+pub struct DatabaseProbe<DB: sqlx::Database>(pub sqlx::Pool<DB>);
+
+impl<DB: sqlx::Database> Clone for DatabaseProbe<DB> {
+    fn clone(&self) -> Self {
+        DatabaseProbe(self.0.clone())
+    }
+}
+
+impl<DB: sqlx::Database> Probe for DatabaseProbe<DB> {
+    async fn readiness(&self) -> (&'static str, String) {
+        let reachable = match self.0.acquire().await {
+            Ok(mut conn) => sqlx::Connection::ping(&mut *conn).await.is_ok(),
+            Err(_) => false,
+        };
+        if reachable {
+            ("200 OK", "ready\n".into())
+        } else {
+            ("503 Service Unavailable", "database unreachable\n".into())
+        }
+    }
+
+    fn resume(&self) -> Option<bool> {
+        None
+    }
+}
+
 /// Binds `addr` and serves the endpoints in the background for as long as the process runs.
-pub async fn serve<DB: Backend>(
-    addr: SocketAddr,
-    metrics: PrometheusHandle,
-    engine: Engine<DB>,
-) -> anyhow::Result<SocketAddr> {
+pub async fn serve<P: Probe>(addr: SocketAddr, metrics: PrometheusHandle, engine: P) -> anyhow::Result<SocketAddr> {
     let listener = TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("--metrics-addr {addr}: {e}"))?;
     let bound = listener.local_addr()?;
     tracing::info!(%bound, "serving /metrics, /healthz and /readyz");
@@ -41,16 +84,16 @@ pub async fn serve<DB: Backend>(
                 let method = words.next().unwrap_or("GET");
                 let path = words.next().unwrap_or("/");
                 let (status, body) = match (method, path) {
-                    ("POST", "/resume") => {
-                        let paused = engine.health().paused;
-                        engine.resume();
-                        ("200 OK", if paused { "resumed\n" } else { "not paused\n" }.to_owned())
-                    }
+                    ("POST", "/resume") => match engine.resume() {
+                        Some(true) => ("200 OK", "resumed\n".to_owned()),
+                        Some(false) => ("200 OK", "not paused\n".to_owned()),
+                        None => ("404 Not Found", "nothing to resume here\n".to_owned()),
+                    },
                     (_, "/resume") => ("405 Method Not Allowed", "use POST /resume\n".to_owned()),
                     (_, path) => match path {
                         "/metrics" => ("200 OK", metrics.render()),
                         "/healthz" => ("200 OK", "ok\n".to_owned()),
-                        "/readyz" => readiness(&engine).await,
+                        "/readyz" => engine.readiness().await,
                         _ => ("404 Not Found", "try /metrics, /healthz, /readyz or POST /resume\n".to_owned()),
                     },
                 };

@@ -50,6 +50,9 @@ pub struct RelayArgs {
     /// Print what the relay did as JSON when it stops.
     #[arg(long)]
     json: bool,
+    /// Serve /metrics, /healthz and /readyz on this address (e.g. 127.0.0.1:9465).
+    #[arg(long)]
+    metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// `idem outbox …`.
@@ -104,6 +107,11 @@ pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
     config.validate()?;
     let tables = db::tables(&args.db)?;
     let db = Db::open(&args.db.database_url, 2).await?;
+    if let Some(addr) = args.metrics_addr {
+        let recorder = crate::http::install_recorder()?;
+        let bound = with_pool!(&db, pool => crate::http::serve(addr, recorder, crate::http::DatabaseProbe(pool.clone())).await?);
+        tracing::info!(%bound, "outbox relay: serving /metrics");
+    }
     let shutdown = signals.received();
     let stats = match (&args.log_dir, &args.kafka, &args.nats, &args.rabbitmq) {
         (_, Some(brokers), _, _) => {

@@ -1,6 +1,7 @@
 //! `idem relay` as a process: killed with SIGKILL at random points (two at a time, too) while it delivers an
 //! outbox to an embedded log, its database connections cut under it; afterwards every message is in the log,
-//! each key's messages in commit order, a repeat only ever with the same event id. Then `idem outbox stats`.
+//! each key's messages in commit order, a repeat only ever with the same event id. Then `idem outbox stats`, and
+//! the relay's metrics endpoint.
 
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
@@ -147,5 +148,44 @@ async fn relays_killed_at_random_lose_nothing_and_keep_each_keys_order() {
         .unwrap();
     let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(stats["pending"], 0, "{stats}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `idem relay --metrics-addr`: the outbox gauges on /metrics, /readyz while the database answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_serves_its_metrics() {
+    use std::io::{Read, Write};
+    let url = fresh_postgres();
+    let pool = idem::postgres::connect(&url, 2).await.unwrap();
+    idem::migrate(&pool, &idem::Tables::default()).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    Outbox::default().enqueue(&mut *tx, OutgoingMessage::new("nowhere-yet", "x").with_key("k")).await.unwrap();
+    tx.commit().await.unwrap();
+    let dir = std::env::temp_dir().join(format!("idem-relay-metrics-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    EmbeddedLog::open(&dir).unwrap().create_topic("nowhere-yet", 1).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let _relay = relay(&url, &dir, &["--metrics-addr", &format!("127.0.0.1:{port}")]);
+    let get = |path: &str| -> Option<String> {
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+        write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").ok()?;
+        let mut body = String::new();
+        stream.read_to_string(&mut body).ok()?;
+        Some(body)
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let metrics = loop {
+        if let Some(body) = get("/metrics").filter(|b| b.contains("outbox_published_total")) {
+            break body;
+        }
+        assert!(Instant::now() < deadline, "no outbox metrics on /metrics");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        metrics.contains(r#"outbox_published_total{destination="nowhere-yet",outcome="delivered"} 1"#),
+        "{metrics}"
+    );
+    assert!(metrics.contains("outbox_pending_messages"), "{metrics}");
+    assert!(get("/readyz").unwrap().starts_with("HTTP/1.1 200"));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -51,6 +51,8 @@
 //! * [`gap`]: lost-event detection from producer sequence numbers.
 //! * [`prune`]: bounded, lock-friendly pruning of markers. [`kill_switch`]: holding the consumer when every
 //!   message fails the same way.
+//! * [`outbox`]: the transactional outbox: enqueue in the caller's transaction, a [`outbox::Relay`] that delivers
+//!   committed messages in order per key through a broker or a call of yours.
 //! * [`dead_letter`]: listing and replaying dead letters. [`fault`]: crash injection for tests and the demo.
 //! * [`error`]: errors that say whether a retry can help. [`telemetry`]: the metric catalogue.
 //! * `kafka` (feature `kafka`): the Kafka source, the producer helper, topic admin.

@@ -70,4 +70,28 @@ pub fn describe() {
         "Open sequence instances whose retention ends within housekeeping.expiring_soon"
     );
     describe_gauge!("inbox_instances_expired", Unit::Count, "Sequence instances past their retention, not yet deleted");
+    describe_counter!("nats_redelivered_total", Unit::Count, "JetStream messages delivered more than once, per stream");
+    describe_counter!("rabbitmq_redelivered_total", Unit::Count, "RabbitMQ deliveries flagged redelivered, per queue");
+    describe_gauge!("outbox_pending_messages", Unit::Count, "Messages waiting in the outbox, as a relay last counted");
+    describe_gauge!(
+        "outbox_oldest_pending_age_seconds",
+        Unit::Seconds,
+        "Age of the oldest message waiting in the outbox, as a relay last read it"
+    );
+    describe_counter!(
+        "outbox_published_total",
+        Unit::Count,
+        "Outbox delivery attempts, by destination and outcome (delivered, failed, dead_lettered)"
+    );
+    describe_histogram!(
+        "outbox_publish_duration_seconds",
+        Unit::Seconds,
+        "Time a relay's round took to deliver its batch"
+    );
+    describe_histogram!(
+        "outbox_delivery_age_seconds",
+        Unit::Seconds,
+        "Time from enqueue to delivery of each outbox message, per destination"
+    );
+    describe_gauge!("outbox_relay_slots", Unit::Count, "Slots (key groups) a relay owns");
 }

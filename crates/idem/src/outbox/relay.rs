@@ -153,6 +153,7 @@ impl<DB: OutboxStore, D: Delivery> Relay<DB, D> {
     /// A round in progress finishes first: what it delivered is deleted. A lost database connection is retried
     /// with backoff (the relay's slots go to the others meanwhile); a missing outbox table is an error.
     pub async fn run(&self, shutdown: impl Future + Send) -> Result<RelayStats, Error> {
+        crate::telemetry::describe();
         let mut shutdown = std::pin::pin!(shutdown);
         let mut wakeup = DB::wakeup(&self.pool, &self.tables).await.map_err(|e| self.explain(e))?;
         let mut conn: Option<DB::Connection> = None;
