@@ -128,7 +128,7 @@ pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
         }
         (Some(dir), None, None, None) => {
             let log = EmbeddedLog::open(dir).with_context(|| format!("--log-dir {}", dir.display()))?;
-            let producer = Publish(AutoTopics { log });
+            let producer = AutoTopics { producer: log.producer(), log };
             with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
         (None, None, None, None) => bail!("give --log-dir, --kafka, --nats or --rabbitmq"),
@@ -155,17 +155,22 @@ async fn run<DB: OutboxStore, D: Delivery>(
     Ok(relay.run(shutdown).await?)
 }
 
-/// The embedded log's producer, creating a destination's topic (one partition) the first time it is written.
+/// The embedded log's delivery, creating a destination's topic (one partition) the first time it is written.
 struct AutoTopics {
     log: EmbeddedLog,
+    producer: idem::embedded::LogProducer,
 }
 
-impl idem::Publisher for AutoTopics {
-    async fn publish(&self, message: &idem::Message) -> Result<(), idem::source::SourceError> {
-        if self.log.partitions(&message.topic).is_err() {
-            self.log.create_topic(&message.topic, 1)?;
+impl Delivery for AutoTopics {
+    async fn deliver(&self, messages: &[idem::outbox::OutboxMessage]) -> Vec<idem::outbox::Delivered> {
+        for m in messages {
+            if self.log.partitions(&m.destination).is_err()
+                && let Err(error) = self.log.create_topic(&m.destination, 1)
+            {
+                tracing::warn!(%error, topic = %m.destination, "cannot create the destination's topic");
+            }
         }
-        self.log.producer().publish(message).await
+        self.producer.deliver(messages).await
     }
 }
 
@@ -179,7 +184,7 @@ async fn nats_producer(url: &str) -> anyhow::Result<Publish<idem::nats::NatsProd
 }
 
 #[cfg(not(feature = "nats"))]
-async fn nats_producer(_: &str) -> anyhow::Result<Publish<AutoTopics>> {
+async fn nats_producer(_: &str) -> anyhow::Result<Publish<idem::embedded::LogProducer>> {
     bail!("--nats: this idem is built without the `nats` feature")
 }
 
@@ -189,7 +194,7 @@ async fn rabbitmq_producer(url: &str) -> anyhow::Result<Publish<idem::rabbitmq::
 }
 
 #[cfg(not(feature = "rabbitmq"))]
-async fn rabbitmq_producer(_: &str) -> anyhow::Result<Publish<AutoTopics>> {
+async fn rabbitmq_producer(_: &str) -> anyhow::Result<Publish<idem::embedded::LogProducer>> {
     bail!("--rabbitmq: this idem is built without the `rabbitmq` feature")
 }
 

@@ -11,7 +11,7 @@ use idem::embedded::{ConsumerOptions, EmbeddedLog};
 use idem::outbox::{Outbox, OutgoingMessage};
 
 const KEYS: usize = 30;
-const PER_KEY: i64 = 80;
+const PER_KEY: i64 = 200;
 
 fn fresh_postgres() -> String {
     let server = std::env::var("IDEM_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
@@ -90,13 +90,21 @@ async fn relays_killed_at_random_lose_nothing_and_keep_each_keys_order() {
 
     // Relays killed at random points, one or two at a time, their connections cut now and then.
     let started = Instant::now();
+    let waiting =
+        || async { sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox").fetch_one(&pool).await.unwrap() };
     for round in 0..8u64 {
         let spawned: String = sqlx::query_scalar("SELECT now()::text").fetch_one(&pool).await.unwrap();
+        let before = waiting().await;
         let mut running = vec![relay(&url, &dir, &[])];
         if round % 3 == 1 {
             running.push(relay(&url, &dir, &[]));
         }
-        tokio::time::sleep(Duration::from_millis(150 + jitter(round, 350))).await;
+        // Killed mid-work: once a few hundred messages (a different number each round) went out.
+        let target = before - 200 - jitter(round, 300) as i64;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while waiting().await > target && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         if round % 4 == 2 {
             // The relays' own connections (younger than this round), not the test's.
             sqlx::query(
@@ -111,8 +119,7 @@ async fn relays_killed_at_random_lose_nothing_and_keep_each_keys_order() {
         }
         drop(running); // SIGKILL
     }
-    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox").fetch_one(&pool).await.unwrap();
-    assert!(left > 0, "the kills came too late to test anything: raise PER_KEY");
+    assert!(waiting().await > 0, "the kills came too late to test anything: raise PER_KEY");
 
     // One last relay, run to the end.
     let last = relay(&url, &dir, &["--until-empty", "--json"]).finish();

@@ -57,6 +57,11 @@ pub trait Delivery: Send + Sync + 'static {
 /// What keeps its order: destination and key, or, for a message without a key, its event id (no order).
 type OrderKey<'a> = (&'a str, Option<&'a [u8]>, Option<&'a str>);
 
+/// The order key of `m`.
+fn order_key(m: &OutboxMessage) -> OrderKey<'_> {
+    (m.destination.as_str(), m.key.as_deref(), m.key.is_none().then_some(m.event_id.as_str()))
+}
+
 /// Runs `deliver_one` over `messages`: keys concurrently, each key's messages one after another, holding the
 /// rest of a key after its first failure.
 async fn per_key<'a, F, Fut>(messages: &'a [OutboxMessage], deliver_one: F) -> Vec<Delivered>
@@ -67,8 +72,7 @@ where
     let mut keys: HashMap<OrderKey<'a>, Vec<usize>> = HashMap::new();
     for (index, m) in messages.iter().enumerate() {
         // A message without a key keeps no order: it is a key of its own.
-        let unordered = m.key.is_none().then_some(m.event_id.as_str());
-        keys.entry((m.destination.as_str(), m.key.as_deref(), unordered)).or_default().push(index);
+        keys.entry(order_key(m)).or_default().push(index);
     }
     let deliver_one = &deliver_one;
     let chains = keys.into_values().map(|indexes| async move {
@@ -104,13 +108,46 @@ pub struct Publish<P>(pub P);
 
 impl<P: Publisher + 'static> Delivery for Publish<P> {
     async fn deliver(&self, messages: &[OutboxMessage]) -> Vec<Delivered> {
-        per_key(messages, |m| async move {
-            self.0.publish(&m.message()).await.map_err(|e| match e.retry() {
-                Retry::Helps => DeliveryError::transient(e),
-                Retry::Useless => DeliveryError::permanent(e),
-            })
-        })
-        .await
+        per_key(messages, |m| async move { self.0.publish(&m.message()).await.map_err(|e| broker_error(&e)) }).await
+    }
+}
+
+/// Delivers to the embedded log: each message appended to the topic named by its destination (its partition
+/// chosen by key), then the whole round made durable by one fsync. A failed append holds back the rest of its key;
+/// a failed fsync fails the round (what was appended may be delivered again, with the same event ids).
+impl Delivery for crate::embedded::LogProducer {
+    async fn deliver(&self, messages: &[OutboxMessage]) -> Vec<Delivered> {
+        let mut results = Vec::with_capacity(messages.len());
+        let mut failed: std::collections::HashSet<OrderKey<'_>> = std::collections::HashSet::new();
+        for m in messages {
+            if failed.contains(&order_key(m)) {
+                results.push(Delivered::Held);
+                continue;
+            }
+            let message = m.message();
+            match self.send(&message.topic, message.key.as_deref(), &message.payload, &message.headers) {
+                Ok(_) => results.push(Delivered::Done),
+                Err(error) => {
+                    failed.insert(order_key(m));
+                    results.push(Delivered::Failed(broker_error(&error)));
+                }
+            }
+        }
+        if let Err(error) = self.flush() {
+            let error = DeliveryError::transient(format!("the embedded log could not be made durable: {error}"));
+            for result in results.iter_mut().filter(|r| **r == Delivered::Done) {
+                *result = Delivered::Failed(error.clone());
+            }
+        }
+        results
+    }
+}
+
+/// A broker's error as a delivery error: transient when a retry can help.
+fn broker_error(error: &crate::source::SourceError) -> DeliveryError {
+    match error.retry() {
+        Retry::Helps => DeliveryError::transient(error),
+        Retry::Useless => DeliveryError::permanent(error),
     }
 }
 
