@@ -132,6 +132,30 @@ pub(super) async fn idem_leg(
     Ok(work.deliveries.len() as f64 / seconds)
 }
 
+/// The batched leg with any batch handler, one partition (the outbox legs' consumer).
+pub(super) async fn idem_leg_with<B: BatchHandler<sqlx::Postgres>>(
+    pool: &PgPool,
+    args: &BenchArgs,
+    work: &Workload,
+    batch_size: usize,
+    handler: B,
+) -> anyhow::Result<f64> {
+    let tables = fresh_tables(pool, args.accounts).await?;
+    let engine_pool = idem::postgres::connect(&args.database_url, 3).await?;
+    let config = Config::new(GROUP, KeyExtractor::JsonPointer("/id".into())).batch_size(batch_size).tables(tables);
+    let engine = Engine::new(engine_pool.clone(), config)?;
+    let source = MemorySource(Mutex::new(messages(work, 1)));
+    let started = Instant::now();
+    let stats = engine.run_batched(source, handler, std::future::pending::<()>()).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    engine_pool.close().await;
+    if stats.processed != work.unique {
+        bail!("idem leg: processed {} of {} events", stats.processed, work.unique);
+    }
+    check_ledger(pool, "idem", work.expected_total, work.unique as i64).await?;
+    Ok(work.deliveries.len() as f64 / seconds)
+}
+
 /// The Sequential Inbox on the same events: each payment is a `Credit` of the sequence of its account, released
 /// on arrival, so every event pays the inbox's whole path (instance, claim, lock, lookup, record, release scan).
 pub(super) async fn inbox_leg(

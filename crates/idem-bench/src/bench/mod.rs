@@ -3,7 +3,8 @@
 //!
 //! Legs: pgbench running the per-event transaction; the Python reference handler; idem with one transaction per
 //! event at 1, 2 and 4 partitions; idem batched (100 and 1,000; per-message and batch handler); the batched SQL
-//! limit (a raw loop: one multi-row claim and one UPDATE per batch); end to end from Kafka.
+//! limit (a raw loop: one multi-row claim and one UPDATE per batch); end to end from Kafka, NATS JetStream and
+//! RabbitMQ next to their read limits; the outbox (an enqueue per event, the relay next to the produce limits).
 
 use std::collections::{HashSet, VecDeque};
 use std::path::PathBuf;
@@ -24,10 +25,13 @@ use idem_cli::demo::Rng;
 mod brokers;
 mod idem_legs;
 mod kafka;
+mod outbox;
+mod ratios;
 
 use idem_legs::{CreditAll, HandlerKind, idem_leg, inbox_leg, raw_batched};
 use kafka::kafka_leg;
 pub use kafka::{ConsumeArgs, consume};
+use ratios::ratios;
 
 const PREFIX: &str = "bench_";
 const GROUP: &str = "bench";
@@ -277,6 +281,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
     }
 
     legs.extend(brokers::run(&pool, &args, &wanted, &progress, &mut notes).await?);
+    legs.extend(outbox::run(&pool, &args, &work, &wanted, &progress, &mut notes).await?);
 
     let ratios = ratios(&legs);
     if args.json {
@@ -314,57 +319,12 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The ratios of the issue's targets, from the medians.
-fn ratios(legs: &[Leg]) -> Vec<(String, f64)> {
-    let median = |name: &str| legs.iter().find(|l| l.name == name).map(|l| l.median).filter(|m| *m > 0.0);
-    let mut out = Vec::new();
-    let mut ratio = |label: String, a: Option<f64>, b: Option<f64>| {
-        if let (Some(a), Some(b)) = (a, b) {
-            out.push((label, (a / b * 100.0).round() / 100.0));
-        }
-    };
-    for n in [1, 2, 4] {
-        ratio(
-            format!("idem per-event ÷ pgbench, {n}"),
-            median(&format!("idem per-event, {n} partition(s)")),
-            median(&format!("pgbench per-event, {n} client(s)")),
-        );
-    }
-    ratio(
-        "idem Sequential Inbox ÷ idem per-event, 4".into(),
-        median("idem Sequential Inbox, 4 partition(s), released on arrival"),
-        median("idem per-event, 4 partition(s)"),
-    );
-    let reference = median("reference handler (Python, psycopg 3)");
-    for batch in [100, 1_000] {
-        let per_message = median(&format!("idem batched {batch}, per-message handler"));
-        let batch_handler = median(&format!("idem batched {batch}, batch handler"));
-        ratio(format!("idem batched {batch} (batch handler) ÷ reference"), batch_handler, reference);
-        ratio(format!("idem batched {batch} (per-message handler) ÷ reference"), per_message, reference);
-        ratio(
-            format!("idem batched {batch} (batch handler) ÷ batched SQL limit"),
-            batch_handler,
-            median(&format!("batched SQL limit {batch}")),
-        );
-    }
-    let kafka = legs.iter().find(|l| l.name.starts_with("idem end to end from Kafka")).map(|l| l.median);
-    let read = legs.iter().find(|l| l.name.starts_with("Kafka read limit")).map(|l| l.median);
-    ratio("idem from Kafka ÷ batched SQL limit 1000".into(), kafka, median("batched SQL limit 1000"));
-    ratio("idem from Kafka ÷ Kafka read limit".into(), kafka, read);
-    for broker in ["NATS JetStream", "RabbitMQ"] {
-        let idem =
-            legs.iter().find(|l| l.name.starts_with(&format!("idem end to end from {broker}"))).map(|l| l.median);
-        let read = legs.iter().find(|l| l.name.starts_with(&format!("{broker} read limit"))).map(|l| l.median);
-        ratio(format!("idem from {broker} ÷ {broker} read limit"), idem, read);
-    }
-    out
-}
-
 /// Recreates the leg's tables: accounts at zero, idem's marker tables empty.
 async fn fresh_tables(pool: &PgPool, accounts: i64) -> anyhow::Result<Tables> {
     for sql in [
         "DROP TABLE IF EXISTS bench_processed_events, bench_dead_letters, bench_idem_migrations, bench_accounts, \
-         bench_sequence_instance, bench_sequenced_message, bench_sequential_inbox_idempotence CASCADE",
+         bench_sequence_instance, bench_sequenced_message, bench_sequential_inbox_idempotence, bench_outbox, \
+         bench_outbox_lease CASCADE",
         "DROP SEQUENCE IF EXISTS bench_seq",
         "CREATE SEQUENCE bench_seq",
         "CREATE TABLE bench_accounts (id bigint PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)",

@@ -1,0 +1,64 @@
+//! The ratios of the targets, from the legs' medians.
+
+use super::Leg;
+
+/// The ratios of the targets, from the medians.
+pub(super) fn ratios(legs: &[Leg]) -> Vec<(String, f64)> {
+    let median = |name: &str| legs.iter().find(|l| l.name == name).map(|l| l.median).filter(|m| *m > 0.0);
+    let mut out = Vec::new();
+    let mut ratio = |label: String, a: Option<f64>, b: Option<f64>| {
+        if let (Some(a), Some(b)) = (a, b) {
+            out.push((label, (a / b * 100.0).round() / 100.0));
+        }
+    };
+    for n in [1, 2, 4] {
+        ratio(
+            format!("idem per-event ÷ pgbench, {n}"),
+            median(&format!("idem per-event, {n} partition(s)")),
+            median(&format!("pgbench per-event, {n} client(s)")),
+        );
+    }
+    ratio(
+        "idem Sequential Inbox ÷ idem per-event, 4".into(),
+        median("idem Sequential Inbox, 4 partition(s), released on arrival"),
+        median("idem per-event, 4 partition(s)"),
+    );
+    let reference = median("reference handler (Python, psycopg 3)");
+    for batch in [100, 1_000] {
+        let per_message = median(&format!("idem batched {batch}, per-message handler"));
+        let batch_handler = median(&format!("idem batched {batch}, batch handler"));
+        ratio(format!("idem batched {batch} (batch handler) ÷ reference"), batch_handler, reference);
+        ratio(format!("idem batched {batch} (per-message handler) ÷ reference"), per_message, reference);
+        ratio(
+            format!("idem batched {batch} (batch handler) ÷ batched SQL limit"),
+            batch_handler,
+            median(&format!("batched SQL limit {batch}")),
+        );
+    }
+    let kafka = legs.iter().find(|l| l.name.starts_with("idem end to end from Kafka")).map(|l| l.median);
+    let read = legs.iter().find(|l| l.name.starts_with("Kafka read limit")).map(|l| l.median);
+    ratio("idem from Kafka ÷ batched SQL limit 1000".into(), kafka, median("batched SQL limit 1000"));
+    ratio("idem from Kafka ÷ Kafka read limit".into(), kafka, read);
+    ratio(
+        "outbox: batched 1000 with an enqueue per event ÷ without".into(),
+        median("idem batched 1000, batch handler, with an outbox enqueue per event"),
+        median("idem batched 1000, batch handler"),
+    );
+    ratio(
+        "idem relay ÷ embedded log produce limit".into(),
+        median("idem relay to the embedded log"),
+        median("embedded log produce limit (1,000 per fsync)"),
+    );
+    ratio(
+        "idem relay ÷ Kafka produce limit".into(),
+        median("idem relay to Kafka"),
+        median("Kafka produce limit (1,000 awaited at a time)"),
+    );
+    for broker in ["NATS JetStream", "RabbitMQ"] {
+        let idem =
+            legs.iter().find(|l| l.name.starts_with(&format!("idem end to end from {broker}"))).map(|l| l.median);
+        let read = legs.iter().find(|l| l.name.starts_with(&format!("{broker} read limit"))).map(|l| l.median);
+        ratio(format!("idem from {broker} ÷ {broker} read limit"), idem, read);
+    }
+    out
+}
