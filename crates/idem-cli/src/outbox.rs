@@ -179,8 +179,8 @@ fn kafka_producer(brokers: &str) -> anyhow::Result<Publish<idem::kafka::KafkaPro
 }
 
 #[cfg(feature = "nats")]
-async fn nats_producer(url: &str) -> anyhow::Result<Publish<idem::nats::NatsProducer>> {
-    Ok(Publish(idem::nats::NatsProducer::connect(url).await?))
+async fn nats_producer(url: &str) -> anyhow::Result<idem::nats::NatsProducer> {
+    Ok(idem::nats::NatsProducer::connect(url).await?)
 }
 
 #[cfg(not(feature = "nats"))]

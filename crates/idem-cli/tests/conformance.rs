@@ -29,6 +29,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+mod common;
+use common::OwnNatsServer;
+
 /// Events per run, spread over `KEYS` keys (the demo's accounts) and `PARTITIONS` partitions.
 const EVENTS: usize = 600;
 const KEYS: usize = 12;
@@ -575,60 +578,6 @@ fn a_replayed_dead_letter_comes_back_through_its_source() {
         assert_eq!(again.dead_lettered, 1, "{}: the replayed poison message came back", broker.name());
         assert_eq!(again.processed, 0, "{}: nothing else is applied again", broker.name());
         assert_eq!(scalar(&run, "SELECT COUNT(*) FROM idem_demo_ledger"), run.expected as i64, "{}", broker.name());
-    }
-}
-
-/// A NATS server of the test's own, on a free port with its own store, so it can be stopped and started again.
-struct OwnNatsServer {
-    port: u16,
-    store: PathBuf,
-    child: Option<Child>,
-}
-
-impl OwnNatsServer {
-    fn start() -> OwnNatsServer {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let store = std::env::temp_dir().join(format!("idem-nats-{}-{port}", std::process::id()));
-        let mut server = OwnNatsServer { port, store, child: None };
-        server.restart();
-        server
-    }
-
-    fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-
-    /// Starts the server (again) and waits until it accepts connections.
-    fn restart(&mut self) {
-        let binary = std::env::var("IDEM_NATS_SERVER").unwrap_or_else(|_| "/usr/sbin/nats-server".to_owned());
-        let port = self.port.to_string();
-        let store = self.store.display().to_string();
-        let child = Command::new(&binary)
-            .args(["-a", "127.0.0.1", "-p", &port, "-js", "-sd", &store])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {binary} (set IDEM_NATS_SERVER): {e}"));
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(Instant::now() < deadline, "the test's nats-server did not start on port {port}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for OwnNatsServer {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.store);
     }
 }
 

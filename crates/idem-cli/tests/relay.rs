@@ -1,7 +1,7 @@
 //! `idem relay` as a process: killed with SIGKILL at random points (two at a time, too) while it delivers an
 //! outbox to an embedded log, its database connections cut under it; afterwards every message is in the log,
 //! each key's messages in commit order, a repeat only ever with the same event id. Then `idem outbox stats`, and
-//! the relay's metrics endpoint.
+//! the relay's metrics endpoint; and a broker (NATS, a server of the test's own) away for a while under a relay.
 
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 use idem::embedded::{ConsumerOptions, EmbeddedLog};
 use idem::outbox::{Outbox, OutgoingMessage};
+
+mod common;
 
 const KEYS: usize = 30;
 const PER_KEY: i64 = 200;
@@ -195,4 +197,82 @@ async fn a_relay_serves_its_metrics() {
     assert!(metrics.contains("outbox_pending_messages"), "{metrics}");
     assert!(get("/readyz").unwrap().starts_with("HTTP/1.1 200"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The broker dies under a running relay (SIGKILL of the test's own nats-server) and comes back two seconds later:
+/// the relay waits on its publishes or retries them with backoff, then delivers the rest; every message is in the stream once (the producer's
+/// `Nats-Msg-Id` is the event id, so the server drops a retry of what it already had), each key in order.
+#[cfg(feature = "nats")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_away_for_a_while_delays_the_relay_and_loses_nothing() {
+    use idem::outbox::{Relay, RelayConfig};
+    let mut server = common::OwnNatsServer::start();
+    let day = Duration::from_secs(86_400);
+    idem::nats::create_stream(&server.url(), "shipments", &["shipments.>"], day).await.unwrap();
+    let url = fresh_postgres();
+    let pool = idem::postgres::connect(&url, 4).await.unwrap();
+    idem::migrate(&pool, &idem::Tables::default()).await.unwrap();
+    for n in 0..50 {
+        let mut tx = pool.begin().await.unwrap();
+        let messages: Vec<OutgoingMessage> = (0..12)
+            .map(|k| {
+                OutgoingMessage::new(format!("shipments.k{k}"), format!(r#"{{"n":{n}}}"#)).with_key(format!("k{k}"))
+            })
+            .collect();
+        Outbox::default().enqueue_all(&mut *tx, &messages).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    let config = RelayConfig {
+        batch_size: 10,
+        poll_interval: Duration::from_millis(50),
+        backoff: (Duration::from_millis(20), Duration::from_millis(300)),
+        ..RelayConfig::default()
+    };
+    let producer = idem::nats::NatsProducer::connect(&server.url()).await.unwrap();
+    let relay = Relay::new(pool.clone(), idem::Tables::default(), config, producer).unwrap();
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let running = tokio::spawn(async move {
+        relay
+            .run(async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            })
+            .await
+    });
+    let waiting =
+        || async { sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox").fetch_one(&pool).await.unwrap() };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while waiting().await > 450 {
+        assert!(Instant::now() < deadline, "the relay did not start delivering");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    server.kill();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let left_during_outage = waiting().await;
+    assert!(left_during_outage > 0, "the outage must come mid-run");
+    server.restart();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while waiting().await > 0 {
+        assert!(Instant::now() < deadline, "the relay did not finish after the broker came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.send(true).unwrap();
+    let stats = running.await.unwrap().unwrap();
+    assert_eq!(stats.dead_lettered, 0, "an outage is not a reason to dead-letter: {stats:?}");
+
+    let nats = idem::nats::NatsConfig { stop_at_end: true, ..idem::nats::NatsConfig::new(server.url(), "shipments") };
+    let engine = idem::Config::new("check", idem::KeyExtractor::Header("idem-event-id".into()));
+    let source = idem::nats::NatsSource::connect(&nats, &engine).await.unwrap();
+    let mut next: HashMap<String, i64> = HashMap::new();
+    let mut ids = std::collections::HashSet::new();
+    while let Some(idem::source::Received::Message(m)) = idem::Source::recv(&source).await.unwrap() {
+        let subject = String::from_utf8(m.key.clone().unwrap()).unwrap();
+        let n = serde_json::from_slice::<serde_json::Value>(&m.payload).unwrap()["n"].as_i64().unwrap();
+        assert!(ids.insert(m.header("idem-event-id").unwrap().to_vec()), "{subject}/{n} stored twice");
+        let expected = next.entry(subject.clone()).or_default();
+        assert_eq!(n, *expected, "{subject}: out of order");
+        *expected += 1;
+        idem::Source::ack(&source, &idem::Acknowledgement::of(std::slice::from_ref(&m)).unwrap()).await.unwrap();
+    }
+    assert_eq!(next.len(), 12);
+    assert!(next.values().all(|&n| n == 50), "{next:?}");
 }

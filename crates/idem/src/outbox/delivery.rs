@@ -143,6 +143,20 @@ impl Delivery for crate::embedded::LogProducer {
     }
 }
 
+/// Delivers to NATS JetStream: each message published to the subject named by its destination, its event id also
+/// its `Nats-Msg-Id`, so the stream's duplicate window drops a retry of what it stored already (a publish whose
+/// acknowledgement was lost, a relay killed before its delete). Keys in parallel, each in order.
+#[cfg(feature = "nats")]
+impl Delivery for crate::nats::NatsProducer {
+    async fn deliver(&self, messages: &[OutboxMessage]) -> Vec<Delivered> {
+        per_key(messages, |m| async move {
+            let message = m.message();
+            self.send(&m.destination, &message.payload, &message.headers).await.map(drop).map_err(|e| broker_error(&e))
+        })
+        .await
+    }
+}
+
 /// A broker's error as a delivery error: transient when a retry can help.
 fn broker_error(error: &crate::source::SourceError) -> DeliveryError {
     match error.retry() {

@@ -1,5 +1,7 @@
 //! A small RabbitMQ producer: persistent messages published to a queue through the default exchange, each
 //! confirmed by the broker (publisher confirms), with the event id as `message_id` and in `idem-event-id`.
+//! Messages are `mandatory`: one that no queue takes comes back and is an error, never dropped silently. A lost
+//! connection is opened again on the next publish.
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
@@ -12,20 +14,30 @@ use crate::source::{Publisher, SourceError};
 
 /// Publishes to RabbitMQ queues with publisher confirms.
 pub struct RabbitProducer {
-    _connection: lapin::Connection,
-    channel: lapin::Channel,
+    url: String,
+    /// The connection and its confirming channel; `None` after a failure, until the next publish reconnects.
+    session: tokio::sync::Mutex<Option<(lapin::Connection, lapin::Channel)>>,
 }
 
 impl RabbitProducer {
     /// Connects to `url` and turns publisher confirms on.
     pub async fn connect(url: &str) -> Result<Self, Error> {
-        let connection = connect(url).await?;
-        let channel = connection.create_channel().await.map_err(|e| Error::Config(format!("rabbitmq channel: {e}")))?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|e| Error::Config(format!("rabbitmq confirm.select: {e}")))?;
-        Ok(RabbitProducer { _connection: connection, channel })
+        let session = open(url).await?;
+        Ok(RabbitProducer { url: url.to_owned(), session: tokio::sync::Mutex::new(Some(session)) })
+    }
+
+    /// The confirming channel, connecting again when the last one was lost.
+    async fn channel(&self) -> Result<lapin::Channel, SourceError> {
+        let mut session = self.session.lock().await;
+        if let Some((_, channel)) = session.as_ref()
+            && channel.status().connected()
+        {
+            return Ok(channel.clone());
+        }
+        *session = None;
+        let (connection, channel) = open(&self.url).await.map_err(|e| SourceError::transient("rabbitmq connect", e))?;
+        *session = Some((connection, channel.clone()));
+        Ok(channel)
     }
 
     /// Publishes `payload` to `queue` (persistent) and waits for the broker's confirm; returns the event id: the
@@ -77,13 +89,26 @@ impl RabbitProducer {
             .with_delivery_mode(2)
             .with_message_id(event_id.as_str().into())
             .with_headers(table);
+        let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
         let confirm = self
-            .channel
-            .basic_publish("".into(), queue.into(), BasicPublishOptions::default(), payload, properties)
+            .channel()
+            .await?
+            .basic_publish("".into(), queue.into(), options, payload, properties)
             .await
             .map_err(|e| SourceError::transient("rabbitmq publish", e))?;
         Ok((confirm, event_id))
     }
+}
+
+/// A connection with a channel in confirm mode.
+async fn open(url: &str) -> Result<(lapin::Connection, lapin::Channel), Error> {
+    let connection = connect(url).await?;
+    let channel = connection.create_channel().await.map_err(|e| Error::Config(format!("rabbitmq channel: {e}")))?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(|e| Error::Config(format!("rabbitmq confirm.select: {e}")))?;
+    Ok((connection, channel))
 }
 
 async fn wait(confirm: lapin::PublisherConfirm, queue: &str) -> Result<(), SourceError> {
