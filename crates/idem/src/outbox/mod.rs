@@ -28,6 +28,7 @@
 
 mod delivery;
 mod relay;
+mod settlement;
 mod store;
 
 pub use delivery::{Call, Delivered, Delivery, DeliveryError, Publish};

@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use super::Delivery;
+use super::settlement::{self, Settlement};
 use super::store::{OutboxStore, Wakeup};
-use super::{Delivered, Delivery, OutboxMessage};
 use crate::error::{Error, Retry, classify};
-use crate::store::{NewDeadLetter, Tables};
+use crate::store::Tables;
 
 /// How often the outbox gauges are refreshed while the relay is busy (an idle relay refreshes them each poll).
 const GAUGES_EVERY: Duration = Duration::from_secs(5);
@@ -118,16 +119,38 @@ pub struct Relay<DB: OutboxStore, D: Delivery> {
     counters: Arc<Counters>,
 }
 
-/// A slot held back after a failure, until `until`.
-struct Held {
-    until: Instant,
+/// What a running relay keeps between steps.
+struct Pipeline<DB: OutboxStore> {
+    /// The connection that owns the slots (PostgreSQL: the advisory locks are its session's) and reads.
+    reader: Option<DB::Connection>,
+    /// The connection settlements are written on, while the next batch is delivered.
+    writer: Option<DB::Connection>,
+    owned: Vec<i32>,
+    rebalanced: Option<Instant>,
+    /// Slots held back after a failure, until their backoff passes.
+    held: HashMap<i32, Instant>,
+    /// The last delivered batch's settlement, written during the next delivery, and the ids it covers.
+    unsettled: Option<(Settlement, Vec<i64>)>,
 }
 
-/// How a round of delivery ended.
-enum Round {
-    /// Messages were read (and settled as far as they went).
+impl<DB: OutboxStore> Default for Pipeline<DB> {
+    fn default() -> Self {
+        Pipeline {
+            reader: None,
+            writer: None,
+            owned: Vec::new(),
+            rebalanced: None,
+            held: HashMap::new(),
+            unsettled: None,
+        }
+    }
+}
+
+/// How a step of the relay ended.
+enum Step {
+    /// A batch was delivered.
     Worked,
-    /// Nothing to read in the owned, not held-back slots.
+    /// Nothing to deliver in the owned, not held-back slots; everything delivered is settled.
     Idle,
 }
 
@@ -150,42 +173,38 @@ impl<DB: OutboxStore, D: Delivery> Relay<DB, D> {
     }
 
     /// Relays until `shutdown` completes (or, with [`RelayConfig::stop_when_empty`], until the outbox is empty).
-    /// A round in progress finishes first: what it delivered is deleted. A lost database connection is retried
+    /// A batch in delivery finishes first and what it delivered is deleted. A lost database connection is retried
     /// with backoff (the relay's slots go to the others meanwhile); a missing outbox table is an error.
     pub async fn run(&self, shutdown: impl Future + Send) -> Result<RelayStats, Error> {
         crate::telemetry::describe();
         let mut shutdown = std::pin::pin!(shutdown);
         let mut wakeup = DB::wakeup(&self.pool, &self.tables).await.map_err(|e| self.explain(e))?;
-        let mut conn: Option<DB::Connection> = None;
-        let mut held: HashMap<i32, Held> = HashMap::new();
-        let mut owned: Vec<i32> = Vec::new();
-        let mut rebalanced: Option<Instant> = None;
+        let mut pipeline = Pipeline::<DB>::default();
         let mut outage: u32 = 0;
         let mut gauges: Option<Instant> = None;
         tracing::info!(relay = %self.config.name, id = %self.id, "outbox relay started");
         loop {
-            let round = self.round(&mut conn, &mut owned, &mut rebalanced, &mut held).await;
-            let wait = match round {
-                Ok(Round::Worked) => {
+            let wait = match self.step(&mut pipeline).await {
+                Ok(Step::Worked) => {
                     outage = 0;
                     Duration::ZERO
                 }
-                Ok(Round::Idle) => {
+                Ok(Step::Idle) => {
                     outage = 0;
                     if self.config.stop_when_empty && self.outbox_empty().await? {
                         break;
                     }
                     gauges = None;
-                    let next_held = held.values().map(|h| h.until.saturating_duration_since(Instant::now())).min();
+                    let now = Instant::now();
+                    let next_held = pipeline.held.values().map(|until| until.saturating_duration_since(now)).min();
                     next_held.map_or(self.config.poll_interval, |d| d.min(self.config.poll_interval))
                 }
                 Err(error) if classify(&error) == Retry::Helps => {
-                    // The connection (and with it the slots) is gone: start over on a new one after a backoff.
-                    conn = None;
-                    owned.clear();
-                    rebalanced = None;
+                    // The connections (and with them the slots) are gone: start over on new ones after a backoff.
+                    // What was delivered and not yet deleted is delivered again, with the same event ids.
+                    pipeline = Pipeline { held: std::mem::take(&mut pipeline.held), ..Pipeline::default() };
                     outage += 1;
-                    let wait = self.backoff(outage);
+                    let wait = settlement::backoff(&self.config, outage);
                     tracing::warn!(relay = %self.config.name, %error, retry_in = ?wait,
                         "outbox relay: database unavailable; its slots go to other relays meanwhile");
                     wait
@@ -202,124 +221,89 @@ impl<DB: OutboxStore, D: Delivery> Relay<DB, D> {
                 _ = wake(&mut wakeup, wait) => {}
             }
         }
-        if let Some(mut conn) = conn {
-            if let Err(error) = DB::release(&mut conn, &self.tables, &self.id).await {
-                tracing::warn!(relay = %self.config.name, %error, "outbox relay: could not give its slots back; they \
-                    free themselves when its connection closes (PostgreSQL) or its lease expires (SQLite)");
-            }
-            let _ = sqlx::Connection::close(conn).await;
-        }
+        self.stop(pipeline).await;
         tracing::info!(relay = %self.config.name, stats = ?self.stats(), "outbox relay stopped");
         Ok(self.stats())
     }
 
-    /// One round: (re)takes the share of slots, reads the oldest messages of the free ones, delivers them and
-    /// settles the outcome in one transaction.
-    async fn round(
-        &self,
-        conn: &mut Option<DB::Connection>,
-        owned: &mut Vec<i32>,
-        rebalanced: &mut Option<Instant>,
-        held: &mut HashMap<i32, Held>,
-    ) -> Result<Round, sqlx::Error> {
-        let conn = match conn {
-            Some(conn) => conn,
-            None => conn.insert(self.pool.acquire().await?.detach()),
-        };
-        if rebalanced.is_none_or(|at| at.elapsed() >= self.config.poll_interval) {
-            let now = DB::own(conn, &self.tables, &self.id, self.config.lease).await?;
-            if now != *owned {
+    /// One step: (re)takes the share of slots when due, reads the oldest messages of the free slots and delivers
+    /// them while the last batch's settlement is written on the other connection. Reading from the oldest every
+    /// time (never from a cursor) keeps each key's order even when transactions commit out of id order.
+    async fn step(&self, p: &mut Pipeline<DB>) -> Result<Step, sqlx::Error> {
+        if p.reader.is_none() {
+            p.reader = Some(self.pool.acquire().await?.detach());
+        }
+        if p.writer.is_none() {
+            p.writer = Some(self.pool.acquire().await?.detach());
+        }
+        let (Some(reader), Some(writer)) = (p.reader.as_mut(), p.writer.as_mut()) else { return Ok(Step::Idle) };
+        if p.rebalanced.is_none_or(|at| at.elapsed() >= self.config.poll_interval) {
+            // Slots are given back only with nothing of theirs delivered and not settled.
+            self.settle(writer, p.unsettled.take()).await?;
+            let now = DB::own(reader, &self.tables, &self.id, self.config.lease).await?;
+            if now != p.owned {
                 tracing::info!(relay = %self.config.name, slots = now.len(), "outbox relay: slots taken");
                 metrics::gauge!("outbox_relay_slots", "relay" => self.config.name.clone()).set(now.len() as f64);
             }
-            *owned = now;
-            *rebalanced = Some(Instant::now());
+            p.owned = now;
+            p.rebalanced = Some(Instant::now());
         }
-        held.retain(|_, h| h.until > Instant::now());
-        let free: Vec<i32> = owned.iter().copied().filter(|s| !held.contains_key(s)).collect();
+        let now = Instant::now();
+        p.held.retain(|_, until| *until > now);
+        let free: Vec<i32> = p.owned.iter().copied().filter(|s| !p.held.contains_key(s)).collect();
         if free.is_empty() {
-            return Ok(Round::Idle);
+            self.settle(writer, p.unsettled.take()).await?;
+            return Ok(Step::Idle);
         }
-        let messages = DB::fetch(conn, &self.tables, &free, self.config.batch_size as i64).await?;
-        if messages.is_empty() {
-            return Ok(Round::Idle);
+        // The last batch is delivered but its delete may not be committed yet: it is left out.
+        let in_flight: &[i64] = p.unsettled.as_ref().map_or(&[], |(_, ids)| ids.as_slice());
+        let batch = DB::fetch(reader, &self.tables, &free, in_flight, self.config.batch_size as i64).await?;
+        if batch.is_empty() {
+            self.settle(writer, p.unsettled.take()).await?;
+            return Ok(Step::Idle);
         }
         let started = Instant::now();
-        let results = self.delivery.deliver(&messages).await;
+        let (results, settled) = tokio::join!(self.delivery.deliver(&batch), self.settle(writer, p.unsettled.take()));
+        settled?;
         metrics::histogram!("outbox_publish_duration_seconds", "relay" => self.config.name.clone())
             .record(started.elapsed().as_secs_f64());
-        self.settle(conn, &messages, &results, held).await?;
-        Ok(Round::Worked)
+        let plan = Settlement::plan(&self.config, &batch, &results, &mut p.held);
+        p.unsettled = Some((plan, batch.iter().map(|m| m.id).collect()));
+        Ok(Step::Worked)
     }
 
-    /// Deletes what was delivered, counts what failed (holding its slot back) and dead-letters what failed for
-    /// good, in one transaction.
+    /// Writes `settlement` (when there is one) and counts it.
     async fn settle(
         &self,
-        conn: &mut DB::Connection,
-        messages: &[OutboxMessage],
-        results: &[Delivered],
-        held: &mut HashMap<i32, Held>,
+        writer: &mut DB::Connection,
+        settlement: Option<(Settlement, Vec<i64>)>,
     ) -> Result<(), sqlx::Error> {
-        let group = self.config.dead_letter_group();
-        let mut done: Vec<i64> = Vec::new();
-        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-        let mut dead = 0u64;
-        let mut failed = 0u64;
-        for (m, result) in messages.iter().zip(results) {
-            match result {
-                Delivered::Done => {
-                    done.push(m.id);
-                    metrics::histogram!("outbox_delivery_age_seconds", "destination" => m.destination.clone())
-                        .record(m.age_seconds);
-                    count(&m.destination, "delivered");
-                }
-                Delivered::Held => {}
-                Delivered::Failed(error) => {
-                    let attempts = u32::try_from(m.attempts).unwrap_or(0) + 1;
-                    let exhausted = self.config.max_attempts.is_some_and(|max| attempts >= max);
-                    if error.permanent || exhausted {
-                        let reason = if error.permanent {
-                            format!("delivery to {} failed for good: {}", m.destination, error.reason)
-                        } else {
-                            format!(
-                                "delivery to {} failed {attempts} times (max_attempts), last: {}",
-                                m.destination, error.reason
-                            )
-                        };
-                        let message = m.message();
-                        let letter = NewDeadLetter {
-                            event_id: Some(&m.event_id),
-                            message: &message,
-                            error: &reason,
-                            attempts: attempts as i32,
-                        };
-                        DB::dead_letter(&mut *tx, &self.tables, &group, &letter).await?;
-                        done.push(m.id);
-                        dead += 1;
-                        count(&m.destination, "dead_lettered");
-                        tracing::warn!(relay = %self.config.name, event_id = %m.event_id, destination = %m.destination,
-                            outbox_id = m.id, reason, "outbox message dead-lettered; requeue it with idem outbox requeue");
-                    } else {
-                        DB::failed(&mut *tx, &self.tables, m.id, &error.reason).await?;
-                        let wait = self.backoff(attempts);
-                        held.insert(m.slot, Held { until: Instant::now() + wait });
-                        failed += 1;
-                        count(&m.destination, "failed");
-                        tracing::warn!(relay = %self.config.name, event_id = %m.event_id, destination = %m.destination,
-                            outbox_id = m.id, attempts, reason = %error.reason, retry_in = ?wait,
-                            "outbox delivery failed; its key waits and is tried again");
-                    }
-                }
-            }
-        }
-        DB::delete(&mut *tx, &self.tables, &done).await?;
-        tx.commit().await?;
-        let delivered = done.len() as u64 - dead;
-        self.counters.delivered.fetch_add(delivered, Ordering::Relaxed);
-        self.counters.failed.fetch_add(failed, Ordering::Relaxed);
-        self.counters.dead_lettered.fetch_add(dead, Ordering::Relaxed);
+        let Some((settlement, _)) = settlement else { return Ok(()) };
+        let settled = settlement.write::<DB>(writer, &self.tables, &self.config.dead_letter_group()).await?;
+        self.counters.delivered.fetch_add(settled.delivered, Ordering::Relaxed);
+        self.counters.failed.fetch_add(settled.failed, Ordering::Relaxed);
+        self.counters.dead_lettered.fetch_add(settled.dead_lettered, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Writes what is unsettled, gives the slots back and closes the connections.
+    async fn stop(&self, mut p: Pipeline<DB>) {
+        if let Some(writer) = p.writer.as_mut()
+            && let Err(error) = self.settle(writer, p.unsettled.take()).await
+        {
+            tracing::warn!(relay = %self.config.name, %error,
+                "outbox relay: the last batch was delivered but not deleted; it will be delivered again");
+        }
+        if let Some(mut reader) = p.reader.take() {
+            if let Err(error) = DB::release(&mut reader, &self.tables, &self.id).await {
+                tracing::warn!(relay = %self.config.name, %error, "outbox relay: could not give its slots back; they \
+                    free themselves when its connection closes (PostgreSQL) or its lease expires (SQLite)");
+            }
+            let _ = sqlx::Connection::close(reader).await;
+        }
+        if let Some(writer) = p.writer.take() {
+            let _ = sqlx::Connection::close(writer).await;
+        }
     }
 
     /// Whether the whole outbox (every relay's slots) is empty; publishes the outbox gauges on the way.
@@ -332,11 +316,6 @@ impl<DB: OutboxStore, D: Delivery> Relay<DB, D> {
         Ok(stats.pending == 0)
     }
 
-    fn backoff(&self, attempts: u32) -> Duration {
-        let (first, cap) = self.config.backoff;
-        first.saturating_mul(1u32 << attempts.saturating_sub(1).min(20)).min(cap)
-    }
-
     /// Names the fix for what a relay cannot get past by itself.
     fn explain(&self, error: Error) -> Error {
         match &error {
@@ -346,11 +325,6 @@ impl<DB: OutboxStore, D: Delivery> Relay<DB, D> {
             _ => error,
         }
     }
-}
-
-fn count(destination: &str, outcome: &'static str) {
-    metrics::counter!("outbox_published_total", "destination" => destination.to_owned(), "outcome" => outcome)
-        .increment(1);
 }
 
 /// Waits `wait`, or less when the wakeup says rows were enqueued.

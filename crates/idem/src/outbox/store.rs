@@ -75,11 +75,13 @@ pub trait OutboxStore: Backend {
         tables: &Tables,
         relay: &str,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
-    /// The oldest `limit` messages of `slots`, in id order.
+    /// The oldest `limit` messages of `slots`, but those of `exclude` (delivered, their delete not committed
+    /// yet), in id order.
     fn fetch(
         conn: &mut Self::Connection,
         tables: &Tables,
         slots: &[i32],
+        exclude: &[i64],
         limit: i64,
     ) -> impl Future<Output = Result<Vec<OutboxMessage>, sqlx::Error>> + Send;
     /// Deletes the delivered messages `ids` in the open transaction.
@@ -262,13 +264,16 @@ impl OutboxStore for Postgres {
         conn: &mut PgConnection,
         tables: &Tables,
         slots: &[i32],
+        exclude: &[i64],
         limit: i64,
     ) -> Result<Vec<OutboxMessage>, sqlx::Error> {
+        // NOT IN over a subquery: a hashed anti-join, however many ids are excluded.
         let sql = tables.render(&format!(
             "SELECT {COLUMNS}, EXTRACT(EPOCH FROM now() - enqueued_at)::float8
-               FROM {{t}}outbox WHERE slot = ANY($1) ORDER BY id LIMIT $2"
+               FROM {{t}}outbox WHERE slot = ANY($1) AND id NOT IN (SELECT unnest($2::bigint[]))
+              ORDER BY id LIMIT $3"
         ));
-        let rows = sqlx::query(&sql).bind(slots).bind(limit).fetch_all(conn).await?;
+        let rows = sqlx::query(&sql).bind(slots).bind(exclude).bind(limit).fetch_all(conn).await?;
         rows.iter().map(|r| row_of(r, r.try_get(9)?)).collect()
     }
 
@@ -365,12 +370,14 @@ impl OutboxStore for Sqlite {
         conn: &mut SqliteConnection,
         tables: &Tables,
         slots: &[i32],
+        exclude: &[i64],
         limit: i64,
     ) -> Result<Vec<OutboxMessage>, sqlx::Error> {
         let list = slots.iter().map(i32::to_string).collect::<Vec<_>>().join(",");
+        let excluded = exclude.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
         let sql = tables.render(&format!(
             "SELECT {COLUMNS}, ({SQLITE_NOW_MS} - enqueued_at) / 1000.0 FROM {{t}}outbox
-              WHERE slot IN ({list}) ORDER BY id LIMIT $1"
+              WHERE slot IN ({list}) AND id NOT IN ({excluded}) ORDER BY id LIMIT $1"
         ));
         let rows = sqlx::query(&sql).bind(limit).fetch_all(conn).await?;
         rows.iter().map(|r| row_of(r, r.try_get(9)?)).collect()

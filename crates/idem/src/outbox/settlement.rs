@@ -1,0 +1,121 @@
+//! What a relay writes back after a delivery: delivered rows deleted, failures counted on their rows, messages
+//! that failed for good moved to the dead letters, all in one transaction.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use super::store::OutboxStore;
+use super::{Delivered, OutboxMessage, RelayConfig};
+use crate::store::{NewDeadLetter, Tables};
+
+/// The outcome of one delivered batch, planned in memory, written by [`Settlement::write`].
+#[derive(Default)]
+pub(super) struct Settlement {
+    /// Delivered: (id, destination, age in seconds).
+    done: Vec<(i64, String, f64)>,
+    /// Failed for a while: (id, destination, reason).
+    failed: Vec<(i64, String, String)>,
+    /// Failed for good: the message, the reason, the attempts.
+    dead: Vec<(OutboxMessage, String, i32)>,
+}
+
+/// What a written settlement adds to the relay's counters.
+pub(super) struct Settled {
+    pub(super) delivered: u64,
+    pub(super) failed: u64,
+    pub(super) dead_lettered: u64,
+}
+
+impl Settlement {
+    /// Plans the settlement of `messages` from their `results`: a slot whose message failed for a while is held
+    /// back in `held` until its backoff passes.
+    pub(super) fn plan(
+        config: &RelayConfig,
+        messages: &[OutboxMessage],
+        results: &[Delivered],
+        held: &mut HashMap<i32, Instant>,
+    ) -> Self {
+        let mut plan = Settlement::default();
+        for (m, result) in messages.iter().zip(results) {
+            let Delivered::Failed(error) = result else {
+                if *result == Delivered::Done {
+                    plan.done.push((m.id, m.destination.clone(), m.age_seconds));
+                }
+                continue;
+            };
+            let attempts = u32::try_from(m.attempts).unwrap_or(0) + 1;
+            if error.permanent || config.max_attempts.is_some_and(|max| attempts >= max) {
+                let reason = if error.permanent {
+                    format!("delivery to {} failed for good: {}", m.destination, error.reason)
+                } else {
+                    format!(
+                        "delivery to {} failed {attempts} times (max_attempts), last: {}",
+                        m.destination, error.reason
+                    )
+                };
+                tracing::warn!(relay = %config.name, event_id = %m.event_id, destination = %m.destination,
+                    outbox_id = m.id, reason, "outbox message dead-lettered; requeue it with idem outbox requeue");
+                plan.dead.push((m.clone(), reason, attempts as i32));
+            } else {
+                let wait = backoff(config, attempts);
+                held.insert(m.slot, Instant::now() + wait);
+                tracing::warn!(relay = %config.name, event_id = %m.event_id, destination = %m.destination,
+                    outbox_id = m.id, attempts, reason = %error.reason, retry_in = ?wait,
+                    "outbox delivery failed; its key waits and is tried again");
+                plan.failed.push((m.id, m.destination.clone(), error.reason.clone()));
+            }
+        }
+        plan
+    }
+
+    /// Writes the settlement in one transaction on `conn`.
+    pub(super) async fn write<DB: OutboxStore>(
+        self,
+        conn: &mut DB::Connection,
+        tables: &Tables,
+        group: &str,
+    ) -> Result<Settled, sqlx::Error> {
+        if self.done.is_empty() && self.failed.is_empty() && self.dead.is_empty() {
+            return Ok(Settled { delivered: 0, failed: 0, dead_lettered: 0 });
+        }
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        for (m, reason, attempts) in &self.dead {
+            let message = m.message();
+            let letter =
+                NewDeadLetter { event_id: Some(&m.event_id), message: &message, error: reason, attempts: *attempts };
+            DB::dead_letter(&mut *tx, tables, group, &letter).await?;
+        }
+        for (id, _, reason) in &self.failed {
+            DB::failed(&mut *tx, tables, *id, reason).await?;
+        }
+        let gone: Vec<i64> = self.done.iter().map(|(id, ..)| *id).chain(self.dead.iter().map(|(m, ..)| m.id)).collect();
+        DB::delete(&mut *tx, tables, &gone).await?;
+        tx.commit().await?;
+        for (_, destination, age) in &self.done {
+            metrics::histogram!("outbox_delivery_age_seconds", "destination" => destination.clone()).record(*age);
+            count(destination, "delivered");
+        }
+        for (_, destination, _) in &self.failed {
+            count(destination, "failed");
+        }
+        for (m, ..) in &self.dead {
+            count(&m.destination, "dead_lettered");
+        }
+        Ok(Settled {
+            delivered: self.done.len() as u64,
+            failed: self.failed.len() as u64,
+            dead_lettered: self.dead.len() as u64,
+        })
+    }
+}
+
+/// The backoff after `attempts` failed attempts: doubling from the first value, capped.
+pub(super) fn backoff(config: &RelayConfig, attempts: u32) -> Duration {
+    let (first, cap) = config.backoff;
+    first.saturating_mul(1u32 << attempts.saturating_sub(1).min(20)).min(cap)
+}
+
+fn count(destination: &str, outcome: &'static str) {
+    metrics::counter!("outbox_published_total", "destination" => destination.to_owned(), "outcome" => outcome)
+        .increment(1);
+}
