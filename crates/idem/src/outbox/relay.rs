@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::Delivery;
 use super::settlement::{self, Settlement};
 use super::store::{OutboxStore, Wakeup};
+use super::{Delivery, OutboxMessage};
 use crate::error::{Error, Retry, classify};
 use crate::store::Tables;
 
@@ -129,8 +129,10 @@ struct Pipeline<DB: OutboxStore> {
     rebalanced: Option<Instant>,
     /// Slots held back after a failure, until their backoff passes.
     held: HashMap<i32, Instant>,
-    /// The last delivered batch's settlement, written during the next delivery, and the ids it covers.
+    /// The last delivered batch's settlement, written during the next delivery, and the ids it deletes.
     unsettled: Option<(Settlement, Vec<i64>)>,
+    /// The next batch, read during the last delivery (from the oldest message, leaving out what was in flight).
+    prefetched: Option<Vec<OutboxMessage>>,
 }
 
 impl<DB: OutboxStore> Default for Pipeline<DB> {
@@ -142,6 +144,7 @@ impl<DB: OutboxStore> Default for Pipeline<DB> {
             rebalanced: None,
             held: HashMap::new(),
             unsettled: None,
+            prefetched: None,
         }
     }
 }
@@ -238,8 +241,9 @@ impl<DB: OutboxStore, D: Delivery> Relay<DB, D> {
         }
         let (Some(reader), Some(writer)) = (p.reader.as_mut(), p.writer.as_mut()) else { return Ok(Step::Idle) };
         if p.rebalanced.is_none_or(|at| at.elapsed() >= self.config.poll_interval) {
-            // Slots are given back only with nothing of theirs delivered and not settled.
+            // Slots are given back only with nothing of theirs delivered and not settled, or read ahead.
             self.settle(writer, p.unsettled.take()).await?;
+            p.prefetched = None;
             let now = DB::own(reader, &self.tables, &self.id, self.config.lease).await?;
             if now != p.owned {
                 tracing::info!(relay = %self.config.name, slots = now.len(), "outbox relay: slots taken");
@@ -255,20 +259,39 @@ impl<DB: OutboxStore, D: Delivery> Relay<DB, D> {
             self.settle(writer, p.unsettled.take()).await?;
             return Ok(Step::Idle);
         }
-        // The last batch is delivered but its delete may not be committed yet: it is left out.
-        let in_flight: &[i64] = p.unsettled.as_ref().map_or(&[], |(_, ids)| ids.as_slice());
-        let batch = DB::fetch(reader, &self.tables, &free, in_flight, self.config.batch_size as i64).await?;
+        let limit = self.config.batch_size as i64;
+        let mut batch: Vec<OutboxMessage> =
+            p.prefetched.take().unwrap_or_default().into_iter().filter(|m| free.contains(&m.slot)).collect();
+        if batch.is_empty() {
+            if p.unsettled.as_ref().is_some_and(|(plan, _)| !plan.all_gone()) {
+                // A failed message stays, with its attempt counted: written before it can be read again.
+                self.settle(writer, p.unsettled.take()).await?;
+            }
+            // What the last batch delivered may not be deleted yet: it is left out.
+            let gone: &[i64] = p.unsettled.as_ref().map_or(&[], |(_, gone)| gone.as_slice());
+            batch = DB::fetch(reader, &self.tables, &free, gone, limit).await?;
+        }
         if batch.is_empty() {
             self.settle(writer, p.unsettled.take()).await?;
             return Ok(Step::Idle);
         }
+        let in_flight: Vec<i64> =
+            batch.iter().map(|m| m.id).chain(p.unsettled.iter().flat_map(|(_, gone)| gone.iter().copied())).collect();
         let started = Instant::now();
-        let (results, settled) = tokio::join!(self.delivery.deliver(&batch), self.settle(writer, p.unsettled.take()));
+        let (results, settled, next) = tokio::join!(
+            self.delivery.deliver(&batch),
+            self.settle(writer, p.unsettled.take()),
+            DB::fetch(reader, &self.tables, &free, &in_flight, limit),
+        );
         settled?;
         metrics::histogram!("outbox_publish_duration_seconds", "relay" => self.config.name.clone())
             .record(started.elapsed().as_secs_f64());
         let plan = Settlement::plan(&self.config, &batch, &results, &mut p.held);
-        p.unsettled = Some((plan, batch.iter().map(|m| m.id).collect()));
+        // The next batch left this one out: after a message that stays (failed, or held behind one that did), it
+        // could hold that key's later messages without it. Read again instead.
+        p.prefetched = if plan.all_gone() { Some(next?) } else { None };
+        let gone = plan.gone();
+        p.unsettled = Some((plan, gone));
         Ok(Step::Worked)
     }
 

@@ -17,6 +17,8 @@ pub(super) struct Settlement {
     failed: Vec<(i64, String, String)>,
     /// Failed for good: the message, the reason, the attempts.
     dead: Vec<(OutboxMessage, String, i32)>,
+    /// Not tried, behind a failed message of their key.
+    held: usize,
 }
 
 /// What a written settlement adds to the relay's counters.
@@ -37,11 +39,16 @@ impl Settlement {
     ) -> Self {
         let mut plan = Settlement::default();
         for (m, result) in messages.iter().zip(results) {
-            let Delivered::Failed(error) = result else {
-                if *result == Delivered::Done {
+            let error = match result {
+                Delivered::Done => {
                     plan.done.push((m.id, m.destination.clone(), m.age_seconds));
+                    continue;
                 }
-                continue;
+                Delivered::Held => {
+                    plan.held += 1;
+                    continue;
+                }
+                Delivered::Failed(error) => error,
             };
             let attempts = u32::try_from(m.attempts).unwrap_or(0) + 1;
             if error.permanent || config.max_attempts.is_some_and(|max| attempts >= max) {
@@ -68,6 +75,16 @@ impl Settlement {
         plan
     }
 
+    /// Whether every message of the batch leaves the outbox (delivered or dead-lettered): none stays behind.
+    pub(super) fn all_gone(&self) -> bool {
+        self.failed.is_empty() && self.held == 0
+    }
+
+    /// The ids this settlement deletes.
+    pub(super) fn gone(&self) -> Vec<i64> {
+        self.done.iter().map(|(id, ..)| *id).chain(self.dead.iter().map(|(m, ..)| m.id)).collect()
+    }
+
     /// Writes the settlement in one transaction on `conn`.
     pub(super) async fn write<DB: OutboxStore>(
         self,
@@ -88,8 +105,7 @@ impl Settlement {
         for (id, _, reason) in &self.failed {
             DB::failed(&mut *tx, tables, *id, reason).await?;
         }
-        let gone: Vec<i64> = self.done.iter().map(|(id, ..)| *id).chain(self.dead.iter().map(|(m, ..)| m.id)).collect();
-        DB::delete(&mut *tx, tables, &gone).await?;
+        DB::delete(&mut *tx, tables, &self.gone()).await?;
         tx.commit().await?;
         for (_, destination, age) in &self.done {
             metrics::histogram!("outbox_delivery_age_seconds", "destination" => destination.clone()).record(*age);
