@@ -111,7 +111,8 @@ async fn relays_killed_at_random_lose_nothing_and_keep_each_keys_order() {
             // The relays' own connections (younger than this round), not the test's.
             sqlx::query(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-                  WHERE datname = current_database() AND backend_start >= $1::timestamptz",
+                  WHERE datname = current_database() AND backend_start >= $1::timestamptz
+                    AND pid <> pg_backend_pid()",
             )
             .bind(&spawned)
             .execute(&pool)

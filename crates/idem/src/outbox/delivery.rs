@@ -117,29 +117,43 @@ impl<P: Publisher + 'static> Delivery for Publish<P> {
 /// a failed fsync fails the round (what was appended may be delivered again, with the same event ids).
 impl Delivery for crate::embedded::LogProducer {
     async fn deliver(&self, messages: &[OutboxMessage]) -> Vec<Delivered> {
-        let mut results = Vec::with_capacity(messages.len());
-        let mut failed: std::collections::HashSet<OrderKey<'_>> = std::collections::HashSet::new();
-        for m in messages {
-            if failed.contains(&order_key(m)) {
-                results.push(Delivered::Held);
-                continue;
-            }
-            let message = m.message();
-            match self.send(&message.topic, message.key.as_deref(), &message.payload, &message.headers) {
-                Ok(_) => results.push(Delivered::Done),
-                Err(error) => {
-                    failed.insert(order_key(m));
-                    results.push(Delivered::Failed(broker_error(&error)));
+        // File writes and the fsync block: on a blocking thread, so the relay's reads and writes of the database
+        // go on meanwhile.
+        let producer = self.clone();
+        let batch: Vec<crate::Message> = messages.iter().map(OutboxMessage::message).collect();
+        let keys: Vec<(String, Option<Vec<u8>>, Option<String>)> = messages
+            .iter()
+            .map(|m| (m.destination.clone(), m.key.clone(), m.key.is_none().then(|| m.event_id.clone())))
+            .collect();
+        let appended = tokio::task::spawn_blocking(move || {
+            let mut results = Vec::with_capacity(batch.len());
+            let mut failed = std::collections::HashSet::new();
+            for (message, key) in batch.iter().zip(&keys) {
+                if failed.contains(key) {
+                    results.push(Delivered::Held);
+                    continue;
+                }
+                match producer.send(&message.topic, message.key.as_deref(), &message.payload, &message.headers) {
+                    Ok(_) => results.push(Delivered::Done),
+                    Err(error) => {
+                        failed.insert(key.clone());
+                        results.push(Delivered::Failed(broker_error(&error)));
+                    }
                 }
             }
-        }
-        if let Err(error) = self.flush() {
-            let error = DeliveryError::transient(format!("the embedded log could not be made durable: {error}"));
-            for result in results.iter_mut().filter(|r| **r == Delivered::Done) {
-                *result = Delivered::Failed(error.clone());
+            if let Err(error) = producer.flush() {
+                let error = DeliveryError::transient(format!("the embedded log could not be made durable: {error}"));
+                for result in results.iter_mut().filter(|r| **r == Delivered::Done) {
+                    *result = Delivered::Failed(error.clone());
+                }
             }
-        }
-        results
+            results
+        })
+        .await;
+        appended.unwrap_or_else(|panic| {
+            let error = DeliveryError::transient(format!("the embedded log's writer stopped: {panic}"));
+            vec![Delivered::Failed(error); messages.len()]
+        })
     }
 }
 
