@@ -111,22 +111,52 @@ pub async fn list_dead_letters(
     Ok(ExitCode::SUCCESS)
 }
 
-/// Where replayed dead letters are published.
-pub enum ReplayTarget {
+/// Where messages are published (replayed dead letters, relayed outbox messages): one broker.
+pub enum BrokerTarget {
     /// An embedded log directory.
     Log(PathBuf),
     /// Kafka brokers.
     Kafka(String),
-    /// A NATS JetStream server: each message goes back to its subject.
+    /// A NATS JetStream server.
     Nats(String),
-    /// A RabbitMQ server: each message goes back to its queue.
+    /// A RabbitMQ server.
     Rabbitmq(String),
+}
+
+/// The command-line flags that name a [`BrokerTarget`]: exactly one of them.
+#[derive(clap::Args, Debug)]
+pub struct BrokerFlags {
+    /// The embedded log (its directory).
+    #[arg(long, required_unless_present_any = ["kafka", "nats", "rabbitmq"], conflicts_with_all = ["kafka", "nats", "rabbitmq"])]
+    pub log_dir: Option<PathBuf>,
+    /// Kafka brokers (host:port).
+    #[arg(long, conflicts_with_all = ["nats", "rabbitmq"])]
+    pub kafka: Option<String>,
+    /// A NATS JetStream server (nats://host:port).
+    #[arg(long, conflicts_with = "rabbitmq")]
+    pub nats: Option<String>,
+    /// A RabbitMQ server (amqp://user:password@host:port/vhost).
+    #[arg(long)]
+    pub rabbitmq: Option<String>,
+}
+
+impl BrokerFlags {
+    /// The broker the flags name.
+    pub fn target(self) -> anyhow::Result<BrokerTarget> {
+        Ok(match (self.log_dir, self.kafka, self.nats, self.rabbitmq) {
+            (_, Some(brokers), _, _) => BrokerTarget::Kafka(brokers),
+            (_, None, Some(url), _) => BrokerTarget::Nats(url),
+            (_, None, None, Some(url)) => BrokerTarget::Rabbitmq(url),
+            (Some(dir), None, None, None) => BrokerTarget::Log(dir),
+            (None, None, None, None) => bail!("give --log-dir, --kafka, --nats or --rabbitmq"),
+        })
+    }
 }
 
 /// `idem dead-letters replay`.
 pub async fn replay_dead_letters(
     args: &DbArgs,
-    target: &ReplayTarget,
+    target: &BrokerTarget,
     ids: &[i64],
     all: bool,
     group: Option<&str>,
@@ -149,17 +179,17 @@ pub async fn replay_dead_letters(
         }
     }
     let replayed = match target {
-        ReplayTarget::Log(dir) => {
+        BrokerTarget::Log(dir) => {
             if !dir.join("topics").is_dir() {
                 bail!("--log-dir {}: there is no embedded log there (it holds a topics/ folder)", dir.display());
             }
             replay_through(&db, &tables, &EmbeddedLog::open(dir)?.producer(), &letters).await?
         }
-        ReplayTarget::Kafka(brokers) => {
+        BrokerTarget::Kafka(brokers) => {
             replay_through(&db, &tables, &idem::kafka::KafkaProducer::new(brokers)?, &letters).await?
         }
-        ReplayTarget::Nats(url) => replay_nats(&db, &tables, url, &letters).await?,
-        ReplayTarget::Rabbitmq(url) => replay_rabbitmq(&db, &tables, url, &letters).await?,
+        BrokerTarget::Nats(url) => replay_nats(&db, &tables, url, &letters).await?,
+        BrokerTarget::Rabbitmq(url) => replay_rabbitmq(&db, &tables, url, &letters).await?,
     };
     println!("{replayed} dead letter(s) replayed");
     Ok(ExitCode::SUCCESS)

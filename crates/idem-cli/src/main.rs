@@ -1,7 +1,6 @@
 //! The `idem` command: a thin layer over the library. Each subcommand parses its arguments and calls one
 //! function of [`commands`] or [`demo`].
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -152,18 +151,9 @@ enum DeadLetterCommand {
     Replay {
         #[command(flatten)]
         db: DbArgs,
-        /// The embedded log to publish to.
-        #[arg(long, required_unless_present_any = ["kafka", "nats", "rabbitmq"], conflicts_with_all = ["kafka", "nats", "rabbitmq"])]
-        log_dir: Option<PathBuf>,
-        /// The Kafka brokers to publish to (host:port), instead of an embedded log.
-        #[arg(long, conflicts_with_all = ["nats", "rabbitmq"])]
-        kafka: Option<String>,
-        /// The NATS server to publish to (nats://host:port): each message goes back to the subject it came from.
-        #[arg(long, conflicts_with = "rabbitmq")]
-        nats: Option<String>,
-        /// The RabbitMQ server to publish to (amqp://…): each message goes back to the queue it came from.
-        #[arg(long)]
-        rabbitmq: Option<String>,
+        /// Where to publish: each message goes back to the topic, subject or queue it came from.
+        #[command(flatten)]
+        to: commands::BrokerFlags,
         /// Dead-letter ids to replay (see `list`).
         ids: Vec<i64>,
         /// Replay every dead letter (of --group, if given).
@@ -244,26 +234,8 @@ fn main() -> ExitCode {
                 Command::DeadLetters(DeadLetterCommand::List { db, group, matching, limit, json }) => {
                     commands::list_dead_letters(&db, group.as_deref(), matching.as_deref(), limit, json).await
                 }
-                Command::DeadLetters(DeadLetterCommand::Replay {
-                    db,
-                    log_dir,
-                    kafka,
-                    nats,
-                    rabbitmq,
-                    ids,
-                    all,
-                    group,
-                    matching,
-                }) => {
-                    let target = match (log_dir, kafka, nats, rabbitmq) {
-                        (_, Some(brokers), _, _) => commands::ReplayTarget::Kafka(brokers),
-                        (_, None, Some(url), _) => commands::ReplayTarget::Nats(url),
-                        (_, None, None, Some(url)) => commands::ReplayTarget::Rabbitmq(url),
-                        (Some(dir), None, None, None) => commands::ReplayTarget::Log(dir),
-                        (None, None, None, None) => {
-                            return Err(anyhow::anyhow!("give --log-dir, --kafka, --nats or --rabbitmq"));
-                        }
-                    };
+                Command::DeadLetters(DeadLetterCommand::Replay { db, to, ids, all, group, matching }) => {
+                    let target = to.target()?;
                     commands::replay_dead_letters(&db, &target, &ids, all, group.as_deref(), matching.as_deref()).await
                 }
             }

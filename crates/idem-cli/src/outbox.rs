@@ -1,6 +1,5 @@
 //! `idem relay` (deliver an outbox's committed messages to a broker) and `idem outbox list|stats|requeue`.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -10,6 +9,7 @@ use idem::Tables;
 use idem::embedded::EmbeddedLog;
 use idem::outbox::{Delivery, OutboxStore, Publish, Relay, RelayConfig};
 
+use crate::commands::{BrokerFlags, BrokerTarget};
 use crate::db::{self, Db};
 use crate::{DbArgs, with_pool};
 
@@ -18,20 +18,10 @@ use crate::{DbArgs, with_pool};
 pub struct RelayArgs {
     #[command(flatten)]
     db: DbArgs,
-    /// Deliver to this embedded log: each message to the topic named by its destination (created with one
-    /// partition when missing).
-    #[arg(long, required_unless_present_any = ["kafka", "nats", "rabbitmq"], conflicts_with_all = ["kafka", "nats", "rabbitmq"])]
-    log_dir: Option<PathBuf>,
-    /// Deliver to these Kafka brokers (host:port), each message to the topic named by its destination.
-    #[arg(long, conflicts_with_all = ["nats", "rabbitmq"])]
-    kafka: Option<String>,
-    /// Deliver to this NATS JetStream server (nats://host:port), each message to the subject named by its
-    /// destination.
-    #[arg(long, conflicts_with = "rabbitmq")]
-    nats: Option<String>,
-    /// Deliver to this RabbitMQ server (amqp://…), each message to the queue named by its destination.
-    #[arg(long)]
-    rabbitmq: Option<String>,
+    /// Where to deliver: each message to the topic, subject or queue its destination names (an embedded log's
+    /// topic is created, with one partition, when missing).
+    #[command(flatten)]
+    to: BrokerFlags,
     /// The relay's name (its dead letters' consumer group is `outbox:<name>`).
     #[arg(long, default_value = "relay")]
     name: String,
@@ -113,25 +103,24 @@ pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
         tracing::info!(%bound, "outbox relay: serving /metrics");
     }
     let shutdown = signals.received();
-    let stats = match (&args.log_dir, &args.kafka, &args.nats, &args.rabbitmq) {
-        (_, Some(brokers), _, _) => {
-            let producer = kafka_producer(brokers)?;
+    let stats = match args.to.target()? {
+        BrokerTarget::Kafka(brokers) => {
+            let producer = kafka_producer(&brokers)?;
             with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
-        (_, None, Some(url), _) => {
-            let producer = nats_producer(url).await?;
+        BrokerTarget::Nats(url) => {
+            let producer = nats_producer(&url).await?;
             with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
-        (_, None, None, Some(url)) => {
-            let producer = rabbitmq_producer(url).await?;
+        BrokerTarget::Rabbitmq(url) => {
+            let producer = rabbitmq_producer(&url).await?;
             with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
-        (Some(dir), None, None, None) => {
-            let log = EmbeddedLog::open(dir).with_context(|| format!("--log-dir {}", dir.display()))?;
+        BrokerTarget::Log(dir) => {
+            let log = EmbeddedLog::open(&dir).with_context(|| format!("--log-dir {}", dir.display()))?;
             let producer = AutoTopics { producer: log.producer(), log };
             with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
-        (None, None, None, None) => bail!("give --log-dir, --kafka, --nats or --rabbitmq"),
     };
     if args.json {
         println!("{}", serde_json::to_string(&stats)?);

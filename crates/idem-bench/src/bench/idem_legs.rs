@@ -113,23 +113,13 @@ pub(super) async fn idem_leg(
     partitions: i32,
     kind: HandlerKind,
 ) -> anyhow::Result<f64> {
-    let tables = fresh_tables(pool, args.accounts).await?;
-    let engine_pool = idem::postgres::connect(&args.database_url, partitions as u32 + 2).await?;
-    let config = Config::new(GROUP, KeyExtractor::JsonPointer("/id".into())).batch_size(batch_size).tables(tables);
-    let engine = Engine::new(engine_pool.clone(), config)?;
-    let source = MemorySource(Mutex::new(messages(work, partitions)));
+    let (engine, engine_pool, source) = engine_over(pool, args, work, batch_size, partitions).await?;
     let started = Instant::now();
     let stats = match kind {
         HandlerKind::PerMessage => engine.run(source, CreditEach, std::future::pending::<()>()).await?,
         HandlerKind::Batch => engine.run_batched(source, CreditAll, std::future::pending::<()>()).await?,
     };
-    let seconds = started.elapsed().as_secs_f64();
-    engine_pool.close().await;
-    if stats.processed != work.unique {
-        bail!("idem leg: processed {} of {} events", stats.processed, work.unique);
-    }
-    check_ledger(pool, "idem", work.expected_total, work.unique as i64).await?;
-    Ok(work.deliveries.len() as f64 / seconds)
+    finished(pool, &engine_pool, work, stats.processed, started).await
 }
 
 /// The batched leg with any batch handler, one partition (the outbox legs' consumer).
@@ -140,17 +130,40 @@ pub(super) async fn idem_leg_with<B: BatchHandler<sqlx::Postgres>>(
     batch_size: usize,
     handler: B,
 ) -> anyhow::Result<f64> {
-    let tables = fresh_tables(pool, args.accounts).await?;
-    let engine_pool = idem::postgres::connect(&args.database_url, 3).await?;
-    let config = Config::new(GROUP, KeyExtractor::JsonPointer("/id".into())).batch_size(batch_size).tables(tables);
-    let engine = Engine::new(engine_pool.clone(), config)?;
-    let source = MemorySource(Mutex::new(messages(work, 1)));
+    let (engine, engine_pool, source) = engine_over(pool, args, work, batch_size, 1).await?;
     let started = Instant::now();
     let stats = engine.run_batched(source, handler, std::future::pending::<()>()).await?;
+    finished(pool, &engine_pool, work, stats.processed, started).await
+}
+
+/// Fresh tables, an engine on a pool of its own (returned too, to close), and the workload as a source over
+/// `partitions`.
+async fn engine_over(
+    pool: &PgPool,
+    args: &BenchArgs,
+    work: &Workload,
+    batch_size: usize,
+    partitions: i32,
+) -> anyhow::Result<(Engine<sqlx::Postgres>, PgPool, MemorySource)> {
+    let tables = fresh_tables(pool, args.accounts).await?;
+    let engine_pool = idem::postgres::connect(&args.database_url, partitions as u32 + 2).await?;
+    let config = Config::new(GROUP, KeyExtractor::JsonPointer("/id".into())).batch_size(batch_size).tables(tables);
+    let engine = Engine::new(engine_pool.clone(), config)?;
+    Ok((engine, engine_pool, MemorySource(Mutex::new(messages(work, partitions)))))
+}
+
+/// Closes the engine's pool, checks that every event was handled and the ledger, and returns the rate.
+async fn finished(
+    pool: &PgPool,
+    engine_pool: &PgPool,
+    work: &Workload,
+    processed: u64,
+    started: Instant,
+) -> anyhow::Result<f64> {
     let seconds = started.elapsed().as_secs_f64();
     engine_pool.close().await;
-    if stats.processed != work.unique {
-        bail!("idem leg: processed {} of {} events", stats.processed, work.unique);
+    if processed != work.unique {
+        bail!("idem leg: processed {processed} of {} events", work.unique);
     }
     check_ledger(pool, "idem", work.expected_total, work.unique as i64).await?;
     Ok(work.deliveries.len() as f64 / seconds)
