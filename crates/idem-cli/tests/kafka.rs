@@ -126,17 +126,26 @@ async fn kill_between_commits_then_rebalance_replays_as_duplicates() {
     assert_eq!(status.signal(), Some(libc::SIGKILL), "A must die by SIGKILL: {status}");
     assert!(a.processed > 0, "A committed work before dying");
 
-    // The group rebalances: B takes A's partitions and replays A's committed but unacknowledged batch.
-    assert!(
-        b.until(Duration::from_secs(90), |c| c.assigned.len() == 3
-            && c.processed + a.processed >= 300
-            && c.duplicate > 0),
-        "B did not finish: assigned {:?}, processed {} + {}, duplicates {}",
-        b.assigned,
-        b.processed,
-        a.processed,
-        b.duplicate
-    );
+    // The group rebalances: B takes A's partitions and replays A's committed but unacknowledged batch. The
+    // database says when every event is in: a report line of A's can die with it (another of its workers may
+    // commit in the instant of the kill), never a commit.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        b.until(Duration::from_secs(1), |c| c.assigned.len() == 3 && c.duplicate > 0);
+        let done =
+            b.assigned.len() == 3 && b.duplicate > 0 && psql(&url, "SELECT COUNT(*) FROM idem_demo_ledger") == "300";
+        if done {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "B did not finish: assigned {:?}, processed {} + {}, duplicates {}",
+            b.assigned,
+            b.processed,
+            a.processed,
+            b.duplicate
+        );
+    }
     unsafe {
         libc::kill(b.child.id() as i32, libc::SIGTERM);
     }
@@ -147,7 +156,7 @@ async fn kill_between_commits_then_rebalance_replays_as_duplicates() {
     assert_eq!(psql(&url, "SELECT COUNT(DISTINCT event_id) FROM idem_demo_ledger"), "300");
     assert_eq!(psql(&url, "SELECT COUNT(*) FROM idem_demo_processed_events"), "300", "one marker per event");
     assert_eq!(psql(&url, "SELECT SUM(balance) FROM idem_demo_accounts"), expected_total.to_string());
-    assert_eq!(a.processed + b.processed, 300, "every event processed once, by A or by B");
+    assert!(a.processed + b.processed <= 300, "no event reported processed twice");
     assert!(b.duplicate >= 1, "B's replay of A's last batch counted as duplicate");
     eprintln!(
         "A owned {a_partitions:?}, processed {}; B processed {}, absorbed {} duplicates",

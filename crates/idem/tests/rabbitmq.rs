@@ -1,6 +1,7 @@
 //! RabbitMQ, against a real server (`IDEM_RABBITMQ_URL`, default amqp://guest:guest@127.0.0.1:5672/%2f): clear
 //! errors at start-up for wrong credentials, an unreachable server and a missing queue; the producer's confirms;
-//! dead letters handed to the queue's dead-letter exchange; a quorum queue's last delivery kept as a dead letter.
+//! dead letters handed to the queue's dead-letter exchange; a quorum queue's last delivery kept as a dead letter;
+//! the outbox relayed to a queue.
 #![cfg(feature = "rabbitmq")]
 
 mod common;
@@ -154,5 +155,52 @@ async fn the_last_delivery_a_quorum_queue_allows_is_dead_lettered_without_the_ha
     assert_eq!((letters[0].0.as_deref(), letters[0].2), (Some("crasher"), 0));
     assert!(letters[0].1.contains("delivery limit (2)") && letters[0].1.contains("replay"), "{}", letters[0].1);
     assert_eq!(common::markers(&db.pool, "crasher").await, 1, "a redelivery is now a plain duplicate");
+    delete_queue(&url(), &queue).await.unwrap();
+}
+
+/// The outbox relayed to RabbitMQ: each message reaches the queue its destination names, with its event id; a
+/// message for a queue that does not exist comes back (published `mandatory`) and is dead-lettered, not dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_outbox_relayed_to_a_queue_and_a_missing_queue_dead_lettered() {
+    use idem::outbox::{Outbox, OutgoingMessage, Publish, Relay, RelayConfig};
+    let db = common::pg().await;
+    common::setup(&db.pool).await;
+    let queue = unique("relayed");
+    let missing = unique("no-such-queue");
+    create_queue(&url(), &queue, true).await.unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    let messages = [
+        OutgoingMessage::new(queue.as_str(), r#"{"n":1}"#).with_key("a"),
+        OutgoingMessage::new(missing.as_str(), r#"{"n":2}"#).with_key("b"),
+        OutgoingMessage::new(queue.as_str(), r#"{"n":3}"#).with_key("a"),
+    ];
+    let ids = Outbox::default().enqueue_all(&mut *tx, &messages).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let producer = RabbitProducer::connect(&url()).await.unwrap();
+    let relaying = RelayConfig { stop_when_empty: true, ..RelayConfig::default() };
+    let relay = Relay::new(db.pool.clone(), idem::Tables::default(), relaying, Publish(producer)).unwrap();
+    let stats = relay.run(std::future::pending::<()>()).await.unwrap();
+    assert_eq!((stats.delivered, stats.dead_lettered), (2, 1), "{stats:?}");
+    let letters = sqlx::query_as::<_, (String, String)>("SELECT event_id, error FROM dead_letters").fetch_all(&db.pool);
+    let letters = letters.await.unwrap();
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].0, ids[1]);
+    assert!(letters[0].1.contains(&missing), "{}", letters[0].1);
+
+    let source = RabbitSource::connect(
+        &RabbitConfig { stop_at_end: true, ..RabbitConfig::new(url(), &[queue.as_str()]) },
+        &config(10),
+    )
+    .await
+    .unwrap();
+    let mut got = Vec::new();
+    while let Some(Received::Message(m)) = source.recv().await.unwrap() {
+        let event_id = String::from_utf8(m.header(idem::message::EVENT_ID_HEADER).unwrap().to_vec()).unwrap();
+        got.push((String::from_utf8(m.payload.clone()).unwrap(), event_id));
+        source.ack(&Acknowledgement::of(std::slice::from_ref(&m)).unwrap()).await.unwrap();
+    }
+    assert_eq!(got, vec![(r#"{"n":1}"#.to_owned(), ids[0].clone()), (r#"{"n":3}"#.to_owned(), ids[2].clone())]);
+    drop(source);
     delete_queue(&url(), &queue).await.unwrap();
 }
