@@ -262,3 +262,53 @@ async fn a_panicking_handler_stops_the_engine() {
     assert!(matches!(err, idem::Error::Worker(_)), "{err}");
     assert_eq!(log.committed("ledger-writer", "payments").unwrap(), [0], "nothing acknowledged");
 }
+
+/// A busy consumer starts each batch in the transaction its last commit opened; once it has nothing to do, those
+/// transactions are rolled back within a fraction of a second, so an idle consumer leaves no connection "idle in
+/// transaction", and none is left once the run returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_consumer_keeps_no_transaction_open() {
+    async fn open_transactions(pool: &sqlx::PgPool) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()
+                AND state LIKE 'idle in transaction%'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    }
+    let db = common::pg().await;
+    common::setup(&db.pool).await;
+    let dir = temp_dir();
+    let log = EmbeddedLog::open(&dir.0).unwrap();
+    log.create_topic("payments", 3).unwrap();
+    let total = produce(&log, 0, 300, "");
+    let pool = idem::postgres::connect(&db.url, 5).await.unwrap();
+    let engine = Engine::new(pool.clone(), config(1)).unwrap();
+    let source = log.consumer("ledger-writer", &["payments"], ConsumerOptions::default()).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn({
+        let engine = engine.clone();
+        async move { engine.run(source, Ledger::default(), stopped).await }
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while ledger_total(&db.pool).await != total {
+        assert!(std::time::Instant::now() < deadline, "the events were not applied");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // Still running, with nothing to do.
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    assert!(!run.is_finished());
+    assert_eq!(open_transactions(&db.pool).await, 0, "an idle consumer holds no open transaction");
+    // New work after the pause is applied as before.
+    let more = produce(&log, 300, 330, "");
+    while ledger_total(&db.pool).await != total + more {
+        assert!(std::time::Instant::now() < deadline, "the later events were not applied");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let _ = stop.send(());
+    let stats = run.await.unwrap().unwrap();
+    assert_eq!(stats.processed, 330);
+    assert_eq!(open_transactions(&db.pool).await, 0, "none is left once the run has returned");
+    pool.close().await;
+}

@@ -17,6 +17,7 @@ mod outcome;
 mod retry;
 mod run;
 mod transaction;
+mod warm;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -64,6 +65,8 @@ struct Inner<DB: Backend> {
     on_commit: std::sync::RwLock<Option<CommitObserver>>,
     /// When the marker table's layout was last checked against the configuration (and partitions created ahead).
     layout_checked: tokio::sync::Mutex<Option<Instant>>,
+    /// Open, empty transactions waiting for the next batch while the run loop is busy.
+    warm: warm::Warm<DB>,
 }
 
 impl<DB: Backend> Engine<DB> {
@@ -85,6 +88,7 @@ impl<DB: Backend> Engine<DB> {
                 breaker,
                 on_commit: std::sync::RwLock::new(None),
                 layout_checked: tokio::sync::Mutex::new(None),
+                warm: warm::Warm::default(),
             }),
         })
     }

@@ -136,6 +136,8 @@ impl<DB: Backend> Engine<DB> {
         }
         self.inner.partitions.store(0, Ordering::SeqCst);
         self.inner.running.store(false, Ordering::SeqCst);
+        // Every worker has ended: the transactions they left open for a next batch are rolled back.
+        self.inner.warm.clear().await;
         match first_error {
             Some(error) => Err(error),
             None => Ok(self.stats()),

@@ -1,4 +1,5 @@
-//! The transaction order, written once ([`Engine::in_transaction`]): a connection, `BEGIN`, the body (whose first
+//! The transaction order, written once ([`Engine::in_transaction`]): a connection and `BEGIN` (or a transaction
+//! left open by the last commit, [`super::warm`]), the body (whose first
 //! statement is the claim: markers, or the Sequential Inbox's claim), the fault point, the check that user code
 //! left the transaction able to commit and `COMMIT` (one round trip on PostgreSQL, [`crate::store::Store::commit_intact`]) with
 //! their failures mapped, the report of what committed,
@@ -107,8 +108,20 @@ impl<DB: Backend> Engine<DB> {
         body: impl AsyncFnOnce(&mut DB::Connection) -> Result<End<T>, Failure>,
         report: impl FnOnce(&T),
     ) -> Result<T, Failure> {
+        let tx = conn.begin().await?;
+        // The next transaction the store may have opened is not wanted here: dropping it rolls it back.
+        self.in_open_transaction(tx, body, report).await.map(|(value, _next)| value)
+    }
+
+    /// [`Engine::in_transaction`] in a transaction already open (nothing run in it yet). Also returns the next
+    /// transaction the store opened on the same connection while committing, if it did.
+    async fn in_open_transaction<'c, T>(
+        &self,
+        mut tx: sqlx::Transaction<'c, DB>,
+        body: impl AsyncFnOnce(&mut DB::Connection) -> Result<End<T>, Failure>,
+        report: impl FnOnce(&T),
+    ) -> Result<(T, Option<sqlx::Transaction<'c, DB>>), Failure> {
         let faults = &self.inner.faults;
-        let mut tx = conn.begin().await?;
         let end = match body(&mut *tx).await {
             Ok(end) => end,
             Err(failure) => {
@@ -120,7 +133,7 @@ impl<DB: Backend> Engine<DB> {
             End::Rollback(value) => {
                 tx.rollback().await?;
                 report(&value);
-                return Ok(value);
+                return Ok((value, None));
             }
             End::Commit { value, user_writes, check_intact: check } => (value, user_writes, check),
         };
@@ -128,10 +141,10 @@ impl<DB: Backend> Engine<DB> {
         let ended = if check {
             DB::commit_intact(tx).await
         } else {
-            tx.commit().await.map_or_else(IntactCommit::CommitFailed, |()| IntactCommit::Committed)
+            tx.commit().await.map_or_else(IntactCommit::CommitFailed, |()| IntactCommit::Committed(None))
         };
-        match ended {
-            IntactCommit::Committed => {}
+        let next = match ended {
+            IntactCommit::Committed(next) => next,
             IntactCommit::Ended => return Err(Failure::Ended),
             IntactCommit::Aborted(error) => return Err(aborted(error)),
             IntactCommit::CommitFailed(error) => {
@@ -144,10 +157,10 @@ impl<DB: Backend> Engine<DB> {
                     Retry::Useless => Failure::Database(error),
                 });
             }
-        }
+        };
         report(&value);
         faults.reached(FaultPoint::AfterCommit);
-        Ok(value)
+        Ok((value, next))
     }
 }
 
@@ -158,15 +171,30 @@ fn replayed_for_another_group(message: &Message, group: &str) -> bool {
 
 impl<DB: Backend> Engine<DB> {
     /// The marker path: markers first, duplicates skipped, the handler on the new events.
+    /// In the run loop, the transaction a store opened while committing waits for the next batch (see
+    /// [`super::warm`]), which takes it instead of a connection and a `BEGIN`.
     pub(super) async fn transaction<A: Apply<DB>>(&self, items: &[Item], apply: &A) -> Result<Vec<Outcome>, Failure> {
-        let mut conn = crate::store::connect::connection(&self.inner.pool).await?;
+        let tx = match self.inner.warm.take() {
+            Some(tx) => tx,
+            None => {
+                let conn = crate::store::connect::connection(&self.inner.pool).await?;
+                sqlx::Transaction::begin(conn, None).await?
+            }
+        };
         let topic = items.first().map_or("", |i| i.message().topic.as_str());
-        self.in_transaction(
-            &mut conn,
-            async |tx| self.claim_and_apply(&mut *tx, items, apply).await,
-            |outcomes| self.committed(topic, outcomes),
-        )
-        .await
+        let (outcomes, next) = self
+            .in_open_transaction(
+                tx,
+                async |tx| self.claim_and_apply(&mut *tx, items, apply).await,
+                |outcomes| self.committed(topic, outcomes),
+            )
+            .await?;
+        if let Some(next) = next
+            && self.inner.running.load(std::sync::atomic::Ordering::SeqCst)
+        {
+            self.inner.warm.keep(next);
+        }
+        Ok(outcomes)
     }
 
     async fn claim_and_apply<A: Apply<DB>>(

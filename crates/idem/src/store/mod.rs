@@ -23,9 +23,11 @@ use crate::message::{Event, Message};
 
 /// How [`Store::commit_intact`] ended.
 #[derive(Debug)]
-pub enum IntactCommit {
-    /// The transaction committed.
-    Committed,
+pub enum IntactCommit<'c, DB: sqlx::Database> {
+    /// The transaction committed. A store that opens the next transaction in the same round trip (PostgreSQL)
+    /// hands it back: an empty transaction on the same connection, ready for the next unit of work; dropping it
+    /// rolls it back.
+    Committed(Option<sqlx::Transaction<'c, DB>>),
     /// User code had ended the transaction itself (`COMMIT` or `ROLLBACK` through the connection).
     Ended,
     /// The transaction was aborted (a handler swallowed a database error); nothing committed.
@@ -70,8 +72,8 @@ pub trait Store: sqlx::Database + Sized {
     /// itself, an error when it is aborted (PostgreSQL then turns `COMMIT` into a silent `ROLLBACK`).
     fn transaction_intact(conn: &mut Self::Connection) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
     /// Checks the transaction as [`Store::transaction_intact`] does and commits it when it is intact, in as few
-    /// round trips as the database allows (PostgreSQL: one).
-    fn commit_intact(tx: sqlx::Transaction<'_, Self>) -> impl Future<Output = IntactCommit> + Send;
+    /// round trips as the database allows (PostgreSQL: one, which also opens the next transaction).
+    fn commit_intact<'c>(tx: sqlx::Transaction<'c, Self>) -> impl Future<Output = IntactCommit<'c, Self>> + Send;
     /// Records a dead letter in the open transaction; a second failure of the same event updates its row.
     fn dead_letter(
         conn: &mut Self::Connection,

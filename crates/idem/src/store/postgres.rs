@@ -178,19 +178,19 @@ impl Store for Postgres {
     }
 
     /// The check, `COMMIT` and a `BEGIN` go out as one simple query: one round trip where a check and a
-    /// `COMMIT` would take two. PostgreSQL runs them in order and stops at the first error, so an aborted
-    /// transaction fails the check (25P02) and never reaches `COMMIT`. sqlx still counts the transaction as open;
-    /// the trailing `BEGIN` gives it an empty one to roll back, and that `ROLLBACK` goes out with the
-    /// connection's next message (the pool's check when it is released), not as a round trip of its own.
-    async fn commit_intact(mut tx: sqlx::Transaction<'_, Postgres>) -> IntactCommit {
+    /// `COMMIT` would take two, and the next transaction's `BEGIN` a third. PostgreSQL runs them in order and
+    /// stops at the first error, so an aborted transaction fails the check (25P02) and never reaches `COMMIT`.
+    /// sqlx still counts the transaction as open, which the trailing `BEGIN` makes true: the transaction handed
+    /// back is that new, empty one (no snapshot is taken before its first statement). Dropping it queues a
+    /// `ROLLBACK` that goes out with the connection's next message.
+    async fn commit_intact<'c>(mut tx: sqlx::Transaction<'c, Postgres>) -> IntactCommit<'c, Postgres> {
         const CHECK_COMMIT_BEGIN: &str = "SELECT pg_current_xact_id_if_assigned()::text; COMMIT; BEGIN";
         // A query without arguments goes out as a simple query, which may hold several statements.
         let conn: &mut PgConnection = &mut tx;
         match sqlx::Executor::fetch_all(conn, CHECK_COMMIT_BEGIN).await {
             Ok(rows) => {
                 let xid: Option<String> = rows.first().and_then(|row| row.try_get(0).ok()).flatten();
-                drop(tx);
-                if xid.is_some() { IntactCommit::Committed } else { IntactCommit::Ended }
+                if xid.is_some() { IntactCommit::Committed(Some(tx)) } else { IntactCommit::Ended }
             }
             Err(error) if error.as_database_error().and_then(|e| e.code()).as_deref() == Some("25P02") => {
                 let _ = tx.rollback().await;

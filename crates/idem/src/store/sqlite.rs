@@ -96,9 +96,9 @@ impl Store for Sqlite {
         Ok(true)
     }
 
-    async fn commit_intact(tx: sqlx::Transaction<'_, Sqlite>) -> IntactCommit {
+    async fn commit_intact<'c>(tx: sqlx::Transaction<'c, Sqlite>) -> IntactCommit<'c, Sqlite> {
         match tx.commit().await {
-            Ok(()) => IntactCommit::Committed,
+            Ok(()) => IntactCommit::Committed(None),
             Err(error) => IntactCommit::CommitFailed(error),
         }
     }
