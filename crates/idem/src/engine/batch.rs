@@ -189,8 +189,9 @@ impl<DB: Backend> Engine<DB> {
                 }
                 Failure::Handler { at, error } => Ok(Err(Isolate { at, reason: error.reason().to_owned(), attempts })),
                 Failure::Database(error) => Err(error.into()),
-                // Never final: `into_failed` retries the one and turns the other into a handler failure.
-                Failure::Again | Failure::Ended => Err(Error::Stopped),
+                // `Again` and `Ended` are never final: `into_failed` retries the one and turns the other into a
+                // handler failure.
+                Failure::Again | Failure::Ended | Failure::Stopped => Err(Error::Stopped),
             },
         }
     }

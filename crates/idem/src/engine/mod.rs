@@ -37,7 +37,7 @@ use apply::{Marked, PerBatch, PerBatchRef, PerMessage};
 pub(crate) use apply::{PerMessageRef, Process};
 pub use outcome::{Committed, Health, Outcome, Stats, StatsSnapshot};
 pub(crate) use retry::{Failed, GaveUp, Retrying, Shutdown, retry};
-pub(crate) use transaction::{End, Failure, check_intact};
+pub(crate) use transaction::{End, Failure, check_intact, commit_failed};
 
 type CommitObserver = Arc<dyn Fn(&Committed) + Send + Sync>;
 

@@ -34,6 +34,8 @@ pub(crate) enum Failure {
     /// User code ended the transaction itself (`COMMIT` or `ROLLBACK` through `tx`): the handler's failure, of
     /// the whole transaction, never of a savepoint inside it.
     Ended,
+    /// The consumer was told to stop during a retry inside the transaction: it is rolled back, unacknowledged.
+    Stopped,
 }
 
 impl From<sqlx::Error> for Failure {
@@ -55,6 +57,7 @@ impl Failure {
             Failure::Handler { at, error: HandlerError::Retryable(reason) } => Failed::Retryable { reason, at },
             Failure::Database(error) if classify(&error) == Retry::Helps => Failed::Outage(error.to_string()),
             Failure::Again => Failed::Again,
+            Failure::Stopped => Failed::Final(Failure::Stopped),
             Failure::Ended => Failed::Final(Failure::handler(HandlerError::ended_transaction())),
             other => Failed::Final(other),
         }
@@ -86,6 +89,16 @@ pub(crate) async fn check_intact<DB: Backend>(conn: &mut DB::Connection) -> Resu
         Ok(true) => Ok(()),
         Ok(false) => Err(Failure::Ended),
         Err(error) => Err(aborted(error)),
+    }
+}
+
+/// The failure of a `COMMIT` that failed: the database's when a retry can help; else, after user writes, the
+/// handler's (a deferred constraint of its writes), and idem's own otherwise.
+pub(crate) fn commit_failed(error: sqlx::Error, user_writes: bool) -> Failure {
+    match classify(&error) {
+        Retry::Helps => Failure::Database(error),
+        Retry::Useless if user_writes => Failure::handler(HandlerError::Permanent(format!("commit failed: {error}"))),
+        Retry::Useless => Failure::Database(error),
     }
 }
 
@@ -147,16 +160,7 @@ impl<DB: Backend> Engine<DB> {
             IntactCommit::Committed(next) => next,
             IntactCommit::Ended => return Err(Failure::Ended),
             IntactCommit::Aborted(error) => return Err(aborted(error)),
-            IntactCommit::CommitFailed(error) => {
-                return Err(match classify(&error) {
-                    Retry::Helps => Failure::Database(error),
-                    // A deferred constraint of the handler's writes fails at COMMIT: the handler is at fault.
-                    Retry::Useless if user_writes => {
-                        Failure::handler(HandlerError::Permanent(format!("commit failed: {error}")))
-                    }
-                    Retry::Useless => Failure::Database(error),
-                });
-            }
+            IntactCommit::CommitFailed(error) => return Err(commit_failed(error, user_writes)),
         };
         report(&value);
         faults.reached(FaultPoint::AfterCommit);

@@ -119,7 +119,9 @@ impl SequentialInbox {
                 let names = store::processed_types(&mut *tx, tables, instance).await?;
                 let mut processed: HashSet<_> =
                     names.iter().filter_map(|n| super::QualifiedType::parse(n).ok()).collect();
-                let count = self.release(&mut *tx, sequence, instance, &mut processed, handler).await?;
+                // Housekeeping is not stopped mid-pass: its task ends with the run.
+                let count =
+                    self.release(&mut *tx, sequence, instance, &mut processed, handler, &Default::default()).await?;
                 let types = &self.config.sequences[sequence].types;
                 if open && types.iter().all(|t| processed.contains(&t.qualified)) {
                     store::close(&mut *tx, tables, instance).await?;

@@ -11,9 +11,10 @@ use super::store::{self, Status, Waiting};
 use super::{InboxOutcome, InboxTransactions, QualifiedType, Route, Sequenced, SequentialInbox};
 pub(crate) use crate::engine::Failure;
 use crate::engine::{
-    End, Engine, Failed, GaveUp, Outcome, PerMessageRef, Process, Retrying, Shutdown, check_intact, retry,
+    End, Engine, Failed, GaveUp, Outcome, PerMessageRef, Process, Retrying, Shutdown, check_intact, commit_failed,
+    retry,
 };
-use crate::error::{Error, HandlerError, Retry, classify};
+use crate::error::{Error, HandlerError};
 use crate::handler::Handler;
 use crate::message::{Event, Message};
 use crate::store::{NewDeadLetter, Store};
@@ -118,7 +119,7 @@ impl SequentialInbox {
                 Some(slots) => Some(slots.acquire().await.map_err(|_| Failed::Final(Failure::Again))?),
                 None => None,
             };
-            self.attempt(sequenced, handler).await.map_err(Failure::into_failed)
+            self.attempt(sequenced, handler, shutdown).await.map_err(Failure::into_failed)
         })
         .await?;
         let (reason, attempts) = match result {
@@ -131,8 +132,11 @@ impl SequentialInbox {
                 (error.reason().to_owned(), attempts)
             }
             Err(GaveUp::Final { failure: Failure::Database(error), .. }) => return Err(error.into()),
-            // Never final: `into_failed` retries the one and turns the other into a handler failure.
-            Err(GaveUp::Final { failure: Failure::Again | Failure::Ended, .. }) => return Err(Error::Stopped),
+            // `Again` and `Ended` are never final: `into_failed` retries the one and turns the other into a
+            // handler failure.
+            Err(GaveUp::Final { failure: Failure::Again | Failure::Ended | Failure::Stopped, .. }) => {
+                return Err(Error::Stopped);
+            }
         };
         // The claim was rolled back with the attempt: a resend of this message can claim it again.
         let m = &sequenced.event.message;
@@ -147,7 +151,12 @@ impl SequentialInbox {
 
     /// One transaction: claim, lock, decide, handle or buffer, release, close, commit (the engine's transaction
     /// order). The instance is found or created just before, on the same connection.
-    async fn attempt<H: Handler<Postgres>>(&self, sequenced: &Sequenced, handler: &H) -> Result<InboxOutcome, Failure> {
+    async fn attempt<H: Handler<Postgres>>(
+        &self,
+        sequenced: &Sequenced,
+        handler: &H,
+        shutdown: &Shutdown,
+    ) -> Result<InboxOutcome, Failure> {
         let tables = &self.engine.config().tables;
         let sequence = &self.config.sequences[sequenced.sequence];
         let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
@@ -159,7 +168,7 @@ impl SequentialInbox {
             sequence.retention.as_secs_f64(),
         )
         .await?;
-        let body = async |tx: &mut PgConnection| self.decide(tx, sequenced, instance, handler).await;
+        let body = async |tx: &mut PgConnection| self.decide(tx, sequenced, instance, handler, shutdown).await;
         self.engine.in_transaction(&mut conn, body, |_| {}).await
     }
 
@@ -170,6 +179,7 @@ impl SequentialInbox {
         sequenced: &Sequenced,
         instance: i64,
         handler: &H,
+        shutdown: &Shutdown,
     ) -> Result<End<InboxOutcome>, Failure> {
         let tables = &self.engine.config().tables;
         let sequence = &self.config.sequences[sequenced.sequence];
@@ -206,7 +216,7 @@ impl SequentialInbox {
         let released = if state.waiting == 0 {
             0
         } else {
-            self.release(&mut *tx, sequenced.sequence, instance, &mut processed, handler).await?
+            self.release(&mut *tx, sequenced.sequence, instance, &mut processed, handler, shutdown).await?
         };
         if open && sequence.types.iter().all(|t| processed.contains(&t.qualified)) {
             store::close(&mut *tx, tables, instance).await?;
@@ -245,10 +255,7 @@ impl SequentialInbox {
             let _ = own.rollback().await;
             return Err(failure);
         }
-        own.commit().await.map_err(|error| match classify(&error) {
-            Retry::Helps => Failure::Database(error),
-            Retry::Useless => Failure::handler(HandlerError::Permanent(format!("commit failed: {error}"))),
-        })
+        own.commit().await.map_err(|error| commit_failed(error, true))
     }
 
     /// Releases, in arrival order, every WAITING message whose condition now holds (or that an operator released),
@@ -260,6 +267,7 @@ impl SequentialInbox {
         instance: i64,
         processed: &mut HashSet<QualifiedType>,
         handler: &H,
+        shutdown: &Shutdown,
     ) -> Result<usize, Failure> {
         let tables = &self.engine.config().tables;
         let sequence = &self.config.sequences[sequence_index];
@@ -274,7 +282,7 @@ impl SequentialInbox {
                     continue;
                 }
                 progressed = true;
-                match self.run_released(tx, &waiting, handler).await? {
+                match self.run_released(tx, &waiting, handler, shutdown).await? {
                     Ok(()) => {
                         store::mark_processed(tx, tables, waiting.id).await?;
                         processed.insert(qualified);
@@ -297,51 +305,67 @@ impl SequentialInbox {
     }
 
     /// Handles one released message in a savepoint (shared mode) or its own transaction (separate mode),
-    /// retrying retryable errors. `Ok(Err(reason))`: it failed, and its effects were rolled back.
+    /// retrying retryable errors through the engine's retry loop (a stop cuts its backoff short and rolls the
+    /// releasing transaction back). `Ok(Err(reason))`: it failed, and its effects were rolled back.
     async fn run_released<H: Handler<Postgres>>(
         &self,
         tx: &mut PgConnection,
         waiting: &Waiting,
         handler: &H,
+        shutdown: &Shutdown,
     ) -> Result<Result<(), String>, Failure> {
+        /// Why a released message's attempts ended without success.
+        enum Released {
+            /// The message failed; only its own effects were rolled back.
+            Failed(String),
+            /// The releasing transaction cannot go on.
+            Fatal(Failure),
+        }
         let config = self.engine.config();
         let event = Event { id: waiting.idempotence_id.clone(), message: waiting.message.clone() };
-        let mut attempts = 0;
-        loop {
-            attempts += 1;
-            let result = match self.config.transactions {
-                InboxTransactions::Shared => match self.handle_in_savepoint(tx, &event, handler).await {
-                    Ok(result) => result,
-                    Err(Failure::Ended) => {
-                        return Err(Failure::handler(HandlerError::Permanent(format!(
-                            "while releasing `{}` {}: {}",
-                            waiting.message_type,
-                            event.id,
-                            HandlerError::ended_transaction().reason()
-                        ))));
+        let retrying = Retrying { group: &config.group, what: "the released message", on_retry: &|| {} };
+        // Every attempt runs on the releasing transaction, one at a time.
+        let tx = tokio::sync::Mutex::new(tx);
+        let result = retry(config, shutdown, &retrying, || async {
+            let handled = match self.config.transactions {
+                InboxTransactions::Shared => {
+                    match self.handle_in_savepoint(&mut **tx.lock().await, &event, handler).await {
+                        Ok(handled) => handled,
+                        Err(Failure::Ended) => {
+                            return Err(Failed::Final(Released::Fatal(Failure::handler(HandlerError::Permanent(
+                                format!(
+                                    "while releasing `{}` {}: {}",
+                                    waiting.message_type,
+                                    event.id,
+                                    HandlerError::ended_transaction().reason()
+                                ),
+                            )))));
+                        }
+                        Err(other) => return Err(Failed::Final(Released::Fatal(other))),
                     }
-                    Err(other) => return Err(other),
-                },
+                }
                 InboxTransactions::Separate => match self.handle_separately(handler, &event).await {
                     Ok(()) => Ok(()),
                     Err(Failure::Handler { error, .. }) => Err(error),
-                    Err(other) => return Err(other),
+                    Err(other) => return Err(Failed::Final(Released::Fatal(other))),
                 },
             };
-            let Err(error) = result else { return Ok(Ok(())) };
-            match error {
-                HandlerError::Retryable(reason) if attempts < config.max_attempts => {
-                    let delay = config.backoff_for(attempts);
-                    tracing::warn!(consumer_group = %config.group, event_id = %event.id, reason, attempt = attempts,
-                        ?delay, "retryable error on a released message; retrying it");
-                    // Inside the releasing transaction: a short wait, not interrupted (the transaction ends soon).
-                    tokio::time::sleep(delay).await;
+            match handled {
+                Ok(()) => Ok(()),
+                Err(HandlerError::Retryable(reason)) => Err(Failed::Retryable { reason, at: None }),
+                Err(HandlerError::Permanent(reason) | HandlerError::TransactionAborted(reason)) => {
+                    Err(Failed::Final(Released::Failed(reason)))
                 }
-                HandlerError::Retryable(reason) => {
-                    return Ok(Err(format!("gave up after {attempts} attempts: {reason}")));
-                }
-                HandlerError::Permanent(reason) | HandlerError::TransactionAborted(reason) => return Ok(Err(reason)),
             }
+        })
+        .await;
+        match result {
+            Ok(Ok(())) => Ok(Ok(())),
+            Ok(Err(GaveUp::Exhausted { reason, .. } | GaveUp::Final { failure: Released::Failed(reason), .. })) => {
+                Ok(Err(reason))
+            }
+            Ok(Err(GaveUp::Final { failure: Released::Fatal(failure), .. })) => Err(failure),
+            Err(_stopped) => Err(Failure::Stopped),
         }
     }
 
