@@ -354,9 +354,22 @@ async fn prune_partitions(
         }
         return Ok(ExitCode::SUCCESS);
     }
+    let started = std::time::Instant::now();
     let report = partitions::maintain(pool, tables, period, create_ahead, Some(retention)).await?;
     if json {
-        println!("{}", serde_json::to_string(&report)?);
+        // The plain layout's shape (`dry_run`, `layout`, `expired`, `deleted`, …), with the partitions named.
+        println!(
+            "{}",
+            serde_json::json!({
+                "dry_run": false,
+                "layout": "partitioned",
+                "expired": report.markers_dropped,
+                "deleted": report.markers_dropped,
+                "partitions_dropped": report.dropped,
+                "partitions_created": report.created,
+                "seconds": started.elapsed().as_secs_f64(),
+            })
+        );
     } else {
         println!(
             "created {} partition(s); dropped {} partition(s) holding {} marker(s){}",

@@ -115,3 +115,39 @@ fn metrics_health_and_prune_of_a_running_consumer() {
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("8d"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `idem prune --json` on the partitioned layout prints the plain layout's shape (`dry_run`, `layout`, `expired`,
+/// `deleted`), with or without `--dry-run`, and names the partitions.
+#[test]
+fn prune_json_has_one_shape_on_the_partitioned_layout() {
+    let server = std::env::var("IDEM_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let name = format!("idem_cli_prune_{}_{nanos}", std::process::id());
+    let psql = |sql: &str| {
+        let status = Command::new("psql")
+            .args(["-q", "-v", "ON_ERROR_STOP=1", &format!("{server}/postgres"), "-c", sql])
+            .status()
+            .expect("psql runs");
+        assert!(status.success(), "psql: {sql}");
+    };
+    psql(&format!("CREATE DATABASE {name}"));
+    let url = format!("{server}/{name}");
+    let db = ["--database-url", url.as_str()];
+    assert!(idem().arg("migrate").args(db).output().unwrap().status.success());
+    let out = idem().args(["markers", "convert", "--to", "partitioned", "--period", "day"]).args(db).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for dry_run in [true, false] {
+        let mut command = idem();
+        command.args(["prune", "--retention", "2h", "--json"]).args(db);
+        if dry_run {
+            command.arg("--dry-run");
+        }
+        let out = command.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(report["dry_run"], Value::Bool(dry_run), "{report}");
+        assert_eq!(report["layout"], "partitioned", "{report}");
+        assert_eq!((report["expired"].as_i64(), report["deleted"].as_i64()), (Some(0), Some(0)), "{report}");
+    }
+    psql(&format!("DROP DATABASE {name} WITH (FORCE)"));
+}

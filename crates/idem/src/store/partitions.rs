@@ -36,23 +36,15 @@ pub struct ExpiredPartition {
 
 const COMMENT_PREFIX: &str = "idem:partitioned:";
 
-/// The marker columns of both layouts, as migrations 1 and 3 create them.
-const MARKER_COLUMNS: &str = r#"
-    consumer_group text        NOT NULL,
-    event_id       text        NOT NULL,
-    topic          text        NOT NULL,
-    partition      int         NOT NULL,
-    "offset"       bigint      NOT NULL,
-    processed_at   timestamptz NOT NULL DEFAULT now(),
-    payload_digest bytea"#;
-
 /// The layout the marker table has in the database: `None` for plain, or the partition period.
 pub async fn stored_period(pool: &PgPool, tables: &Tables) -> Result<Option<PartitionPeriod>, Error> {
     let sql = tables.render(
         "SELECT c.relkind::text, obj_description(c.oid, 'pg_class') FROM pg_class c \
           WHERE c.oid = to_regclass('{t}processed_events')",
     );
-    let row: Option<(String, Option<String>)> = sqlx::query_as(&sql).fetch_optional(pool).await?;
+    // Through idem's checkout: a database refusing connections is an outage a starting consumer waits out.
+    let mut conn = super::connect::connection(pool).await?;
+    let row: Option<(String, Option<String>)> = sqlx::query_as(&sql).fetch_optional(&mut *conn).await?;
     let Some((kind, comment)) = row else {
         return Err(Error::Schema(format!(
             "{} does not exist: run `idem migrate` first",
@@ -106,7 +98,7 @@ pub async fn create_ahead(
     period: PartitionPeriod,
     ahead: u32,
 ) -> Result<Vec<String>, Error> {
-    let mut conn = pool.acquire().await?;
+    let mut conn = super::connect::connection(pool).await?;
     let mut tx = conn.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(lock_key(tables)).execute(&mut *tx).await?;
     let created = create_ahead_in(&mut tx, tables, period, ahead).await?;
@@ -162,7 +154,7 @@ async fn create_partition(
 
 /// The partitions whose whole range ends at least `retention` ago, with their marker counts (for a dry run).
 pub async fn expired(pool: &PgPool, tables: &Tables, retention: Duration) -> Result<Vec<ExpiredPartition>, Error> {
-    let mut conn = pool.acquire().await?;
+    let mut conn = super::connect::connection(pool).await?;
     expired_on(&mut conn, tables, retention).await
 }
 
@@ -186,7 +178,7 @@ async fn expired_on(
 pub async fn drop_expired(pool: &PgPool, tables: &Tables, retention: Duration) -> Result<(Vec<String>, u64), Error> {
     // One pruner at a time (several consumers run housekeeping): a session lock on one connection, which the
     // detaches run on too (CONCURRENTLY cannot run in a transaction block).
-    let mut conn = pool.acquire().await?;
+    let mut conn = super::connect::connection(pool).await?;
     let key = lock_key(tables) ^ PRUNE_LOCK;
     let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)").bind(key).fetch_one(&mut *conn).await?;
     if !locked {
@@ -314,7 +306,7 @@ pub async fn convert(
     let parent = tables.table("processed_events");
     let old = tables.table("processed_events_old");
     let old_bare = format!("{}processed_events_old", tables.prefix());
-    let mut conn = pool.acquire().await?;
+    let mut conn = super::connect::connection(pool).await?;
     let mut tx = conn.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(lock_key(tables)).execute(&mut *tx).await?;
     let statements = vec![
@@ -342,12 +334,20 @@ pub async fn convert(
         Some(period) => {
             let unit = period.as_str();
             let create = tables.render(&format!(
-                "CREATE TABLE {{t}}processed_events ({MARKER_COLUMNS},
-                   processed_on date NOT NULL DEFAULT date_trunc('{unit}', now() AT TIME ZONE 'UTC')::date,
+                // The columns the migrations gave the table, whatever they are, taken from it; a partitioned table
+                // has the partition key already.
+                "CREATE TABLE {{t}}processed_events (LIKE {old} INCLUDING DEFAULTS,{key}
                    PRIMARY KEY (consumer_group, event_id, processed_on)
-                 ) PARTITION BY RANGE (processed_on)"
+                 ) PARTITION BY RANGE (processed_on)",
+                key = if current.is_some() { "" } else { " processed_on date NOT NULL," }
             ));
             sqlx::query(&create).execute(&mut *tx).await?;
+            sqlx::query(&format!(
+                "ALTER TABLE {parent} ALTER COLUMN processed_on
+                   SET DEFAULT date_trunc('{unit}', now() AT TIME ZONE 'UTC')::date"
+            ))
+            .execute(&mut *tx)
+            .await?;
             sqlx::query(&format!("COMMENT ON TABLE {parent} IS '{COMMENT_PREFIX}{unit}'")).execute(&mut *tx).await?;
             // Partitions for every period the old markers span, then the current one and those ahead.
             let spans: Vec<(String, String, String)> = sqlx::query_as(&format!(
@@ -375,10 +375,12 @@ pub async fn convert(
             .rows_affected()
         }
         None => {
+            // The columns of the partitioned table, taken from it, less the partition key it added.
             let create = tables.render(&format!(
-                "CREATE TABLE {{t}}processed_events ({MARKER_COLUMNS}, PRIMARY KEY (consumer_group, event_id))"
+                "CREATE TABLE {{t}}processed_events (LIKE {old} INCLUDING DEFAULTS, PRIMARY KEY (consumer_group, event_id))"
             ));
             sqlx::query(&create).execute(&mut *tx).await?;
+            sqlx::query(&format!("ALTER TABLE {parent} DROP COLUMN IF EXISTS processed_on")).execute(&mut *tx).await?;
             create_indexes(&mut tx, tables).await?;
             // An event marked in two partitions keeps its first marker.
             sqlx::query(&format!(
