@@ -38,6 +38,14 @@ pub(super) struct Isolate {
     attempts: u32,
 }
 
+/// How one retried transaction over part of a batch ended.
+pub(super) enum Attempted {
+    /// It committed: each message's outcome, and when the transaction began (for the kill switch).
+    Committed { outcomes: Vec<Outcome>, began: Instant },
+    /// It failed for good: a message to isolate.
+    Isolate(Isolate),
+}
+
 /// Work left in a batch, in order.
 enum Step {
     Range(Range<usize>),
@@ -93,23 +101,23 @@ impl<DB: Backend> Engine<DB> {
                         .attempt(&items[range.clone()], apply, shutdown)
                         .await?
                     {
-                        Ok((done, began)) => {
+                        Attempted::Committed { outcomes: done, began } => {
                             if done.contains(&Outcome::Processed) {
                                 self.inner.breaker.succeeded(began);
                             }
                             outcomes.extend(done)
                         }
-                        Err(Isolate { at: Some(at), reason, attempts }) => {
+                        Attempted::Isolate(Isolate { at: Some(at), reason, attempts }) => {
                             // Commit what precedes the failing message, dead-letter it, then go on after it.
                             let index = range.start + at;
                             steps.push_front(Step::Range(index + 1..range.end));
                             steps.push_front(Step::DeadLetter { index, reason, attempts });
                             steps.push_front(Step::Range(range.start..index));
                         }
-                        Err(Isolate { at: None, reason, attempts }) if range.len() == 1 => {
+                        Attempted::Isolate(Isolate { at: None, reason, attempts }) if range.len() == 1 => {
                             steps.push_front(Step::DeadLetter { index: range.start, reason, attempts });
                         }
-                        Err(Isolate { at: None, .. }) => {
+                        Attempted::Isolate(Isolate { at: None, .. }) => {
                             // The failure cannot be pinned on one message: one message per transaction finds it.
                             for index in range.rev() {
                                 steps.push_front(Step::Range(index..index + 1));
@@ -155,13 +163,13 @@ impl<DB: Backend> Engine<DB> {
         Ok(self)
     }
 
-    /// Runs one transaction over `items`, retrying what a retry can fix. `Ok(Err(..))` is a failure to isolate.
+    /// Runs one transaction over `items`, retrying what a retry can fix.
     pub(super) async fn attempt<A: Apply<DB>>(
         &self,
         items: &[Item],
         apply: &A,
         shutdown: &Shutdown,
-    ) -> Result<Result<(Vec<Outcome>, Instant), Isolate>, Error> {
+    ) -> Result<Attempted, Error> {
         let config = &self.inner.config;
         let retrying = Retrying { group: &config.group, what: "the batch", on_retry: &|| self.count_retry(items) };
         let result = retry(config, shutdown, &retrying, || async {
@@ -179,15 +187,17 @@ impl<DB: Backend> Engine<DB> {
                     "topic" => topic.to_owned())
                 .record(started.elapsed().as_secs_f64());
                 self.log_outcomes(items, &outcomes, started);
-                Ok(Ok((outcomes, started)))
+                Ok(Attempted::Committed { outcomes, began: started })
             }
-            Err(GaveUp::Exhausted { attempts, reason, at }) => Ok(Err(Isolate { at, reason, attempts })),
+            Err(GaveUp::Exhausted { attempts, reason, at }) => Ok(Attempted::Isolate(Isolate { at, reason, attempts })),
             Err(GaveUp::Final { attempts, failure }) => match failure {
                 Failure::Handler { error: HandlerError::TransactionAborted(reason), .. } => {
                     // Not this message's fault: the batch is re-run one message per transaction.
-                    Ok(Err(Isolate { at: None, reason, attempts }))
+                    Ok(Attempted::Isolate(Isolate { at: None, reason, attempts }))
                 }
-                Failure::Handler { at, error } => Ok(Err(Isolate { at, reason: error.reason().to_owned(), attempts })),
+                Failure::Handler { at, error } => {
+                    Ok(Attempted::Isolate(Isolate { at, reason: error.reason().to_owned(), attempts }))
+                }
                 Failure::Database(error) => Err(error.into()),
                 // `Again` and `Ended` are never final: `into_failed` retries the one and turns the other into a
                 // handler failure.
