@@ -305,12 +305,20 @@ fn walk_offsets(
     Ok(Walked { count, pos: walker.pos(), stop: None })
 }
 
-/// The error for damage at the end of a partition file that no valid record follows.
+/// The error for damage at the end of a partition file that no valid record follows, with the commands that
+/// inspect and repair it filled in from the file's place in the log (`<dir>/topics/<topic>/<partition>.log`).
 fn damaged_tail(path: &Path, offset: i64, pos: u64, what: &str) -> SourceError {
+    let partition = path.file_stem().map_or_else(|| "<p>".into(), |s| s.to_string_lossy().into_owned());
+    let topic_dir = path.parent();
+    let topic = topic_dir.and_then(Path::file_name).map_or_else(|| "<t>".into(), |s| s.to_string_lossy().into_owned());
+    let dir = topic_dir
+        .and_then(Path::parent)
+        .and_then(Path::parent)
+        .map_or_else(|| "<dir>".into(), |d| d.display().to_string());
     permanent(format!(
         "damaged tail in {} at offset {offset} (from byte {pos}): {what}. Nothing was truncated. See it with \
-         `idem log inspect --log-dir <dir>`; `idem log repair --log-dir <dir> --topic <t> --partition <p>` moves \
-         the damaged bytes to a side file so that appends can go on",
+         `idem log inspect --log-dir {dir}`; `idem log repair --log-dir {dir} --topic {topic} --partition \
+         {partition}` moves the damaged bytes to a side file so that appends can go on",
         path.display()
     ))
 }

@@ -373,6 +373,7 @@ async fn damage_at_the_end_of_the_fsynced_part_refuses_appends_until_set_aside()
     drop(consumer);
     let refused = log.producer().send_to("t", 0, None, b"x", &[]).unwrap_err().to_string();
     assert!(refused.contains("damaged tail") && refused.contains("idem log repair"), "{refused}");
+    assert!(refused.contains("--topic t --partition 0"), "the command is filled in: {refused}");
     assert_eq!(fs::metadata(&path).unwrap().len(), len, "nothing truncated");
 
     let repaired = log.repair_tail("t", 0).unwrap().unwrap();
