@@ -199,8 +199,8 @@ impl<DB: Backend> Engine<DB> {
                     Ok(Attempted::Isolate(Isolate { at, reason: error.reason().to_owned(), attempts }))
                 }
                 Failure::Database(error) => Err(error.into()),
-                // `Again` and `Ended` are never final: `into_failed` retries the one and turns the other into a
-                // handler failure.
+                // `Stopped`: the consumer stops. `Again` and `Ended` are never final: `into_failed` retries the
+                // one and turns the other into a handler failure.
                 Failure::Again | Failure::Ended | Failure::Stopped => Err(Error::Stopped),
             },
         }

@@ -15,16 +15,24 @@ impl<DB: Backend> Engine<DB> {
         let mut prune = tokio::time::interval(config.pruning.interval);
         stats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         prune.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut warm = tokio::time::interval(super::warm::KEPT_FOR / 2);
-        warm.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                _ = warm.tick() => self.inner.warm.expire().await,
                 _ = stats.tick() => self.publish_marker_gauges().await,
                 _ = prune.tick(), if config.pruning.retention.is_some() || self.partitioned().is_some() => {
                     self.prune_once().await
                 }
             }
+        }
+    }
+
+    /// Rolls back, every half [`super::warm::KEPT_FOR`], the kept transactions no batch took in time. A task of
+    /// its own: a slow gauge query or pruning pass never delays it.
+    pub(super) async fn expire_kept_transactions(self) {
+        let mut tick = tokio::time::interval(super::warm::KEPT_FOR / 2);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            self.inner.warm.expire().await;
         }
     }
 

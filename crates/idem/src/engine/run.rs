@@ -49,6 +49,7 @@ impl<DB: Backend> Engine<DB> {
         }
         let source = Arc::new(source);
         let _housekeeping = AbortOnDrop(tokio::spawn(self.clone().housekeeping()));
+        let _expiry = AbortOnDrop(tokio::spawn(self.clone().expire_kept_transactions()));
         self.inner.draining.store(false, Ordering::SeqCst);
         self.inner.running.store(true, Ordering::SeqCst);
         let (fatal_tx, mut fatal_rx) = mpsc::unbounded_channel::<Error>();

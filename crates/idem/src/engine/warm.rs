@@ -1,7 +1,7 @@
 //! Transactions kept open between batches. PostgreSQL opens the next transaction in the round trip that commits
 //! the last ([`crate::store::Store::commit_intact`]); while the run loop is busy, that empty transaction waits
 //! here for the next batch, which then starts without a `BEGIN` of its own, and its connection skips the pool's
-//! release check (one more round trip). A transaction waits at most [`KEPT_FOR`]: housekeeping rolls back the
+//! release check (one more round trip). A transaction waits at most [`KEPT_FOR`]: a task of the run rolls back the
 //! older ones, so an idle consumer keeps no connection "idle in transaction" for longer than that, and the run
 //! rolls back every one of them before it returns. Nothing runs in such a transaction before the next batch's
 //! first statement (no snapshot, no lock); only `now()` in a handler, the transaction's start, can be up to

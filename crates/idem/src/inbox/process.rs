@@ -132,8 +132,8 @@ impl SequentialInbox {
                 (error.reason().to_owned(), attempts)
             }
             Err(GaveUp::Final { failure: Failure::Database(error), .. }) => return Err(error.into()),
-            // `Again` and `Ended` are never final: `into_failed` retries the one and turns the other into a
-            // handler failure.
+            // `Stopped`: the consumer stops. `Again` and `Ended` are never final: `into_failed` retries the one
+            // and turns the other into a handler failure.
             Err(GaveUp::Final { failure: Failure::Again | Failure::Ended | Failure::Stopped, .. }) => {
                 return Err(Error::Stopped);
             }
