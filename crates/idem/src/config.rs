@@ -38,6 +38,25 @@ pub struct Config {
     /// When a run of identical permanent failures holds the consumer instead of dead-lettering (default: 20 in a
     /// row, 30 s pause; see [`crate::kill_switch`]).
     pub kill_switch: crate::kill_switch::KillSwitch,
+    /// What decides that an event was applied already: idem's marker (the default) or the handler's own unique
+    /// insert ([`Dedup::NaturalKey`]).
+    pub dedup: Dedup,
+}
+
+/// What decides that an event was applied already.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Dedup {
+    /// A marker row per event in `processed_events`, inserted first in the handler's transaction (document 000).
+    #[default]
+    Markers,
+    /// No marker: the handler's effect is itself an insert under a fixed id (document 003, "natural key
+    /// idempotency"), for example `INSERT INTO orders (id, …) VALUES (…) ON CONFLICT (id) DO NOTHING`. The handler
+    /// marks the event [`crate::Handled::AlreadyApplied`] when its insert found the row, so the event is counted
+    /// `duplicate`; acknowledgement still comes after the commit. Safe only when the whole effect is that one
+    /// insert (or writes that can run twice): a second delivery runs the handler again, so an `UPDATE … SET
+    /// balance = balance + 1` beside the insert would be applied twice. Not for the Sequential Inbox (which
+    /// claims its own rows) and without `id_reused` detection (there is no stored payload digest).
+    NaturalKey,
 }
 
 /// The layout of the marker table.
@@ -155,7 +174,15 @@ impl Config {
             id_reuse: IdReusePolicy::Skip,
             layout: MarkerLayout::Plain,
             kill_switch: crate::kill_switch::KillSwitch::default(),
+            dedup: Dedup::Markers,
         }
+    }
+
+    /// Lets the handler's own unique insert decide what was applied, without a marker row (see
+    /// [`Dedup::NaturalKey`] for when this is safe).
+    pub fn natural_key(mut self) -> Self {
+        self.dedup = Dedup::NaturalKey;
+        self
     }
 
     /// Uses the partitioned marker layout (PostgreSQL): one partition per `period`, duplicates caught across a

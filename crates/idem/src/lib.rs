@@ -49,11 +49,15 @@
 //! * [`retention`]: the retention guard, markers against what a broker keeps, in each broker's words.
 //! * [`inbox`]: the Sequential Inbox (PostgreSQL): per-context ordering with buffering and a concurrent-safe claim.
 //! * [`gap`]: lost-event detection from producer sequence numbers.
+//! * [`guard`]: ordering guards a handler calls in idem's transaction: a [`guard::VersionGuard`] (newer versions
+//!   only) and a [`guard::StateMachine`] (declared transitions). [`Dedup::NaturalKey`] lets the handler's own
+//!   unique insert replace the marker.
 //! * [`prune`]: bounded, lock-friendly pruning of markers. [`kill_switch`]: holding the consumer when every
 //!   message fails the same way.
 //! * [`outbox`]: the transactional outbox: enqueue in the caller's transaction, a [`outbox::Relay`] that delivers
 //!   committed messages in order per key through a broker or a call of yours.
 //! * [`dead_letter`]: listing and replaying dead letters. [`fault`]: crash injection for tests and the demo.
+//! * `testing` (feature `testing`): the duplicate test kit, every handler's exactly-once check in a few lines.
 //! * [`error`]: errors that say whether a retry can help. [`telemetry`]: the metric catalogue.
 //! * `kafka` (feature `kafka`): the Kafka source, the producer helper, topic admin.
 //! * `nats` (feature `nats`): the NATS JetStream source (a durable pull consumer), the producer with
@@ -69,6 +73,7 @@ pub mod engine;
 pub mod error;
 pub mod fault;
 pub mod gap;
+pub mod guard;
 pub mod handler;
 pub mod inbox;
 #[cfg(feature = "kafka")]
@@ -86,14 +91,16 @@ pub mod retention;
 pub mod source;
 pub mod store;
 pub mod telemetry;
+#[cfg(feature = "testing")]
+pub mod testing;
 
-pub use config::{Config, IdReusePolicy, MarkerLayout, PartitionPeriod, Partitioning, Pruning};
+pub use config::{Config, Dedup, IdReusePolicy, MarkerLayout, PartitionPeriod, Partitioning, Pruning};
 pub use engine::{Committed, Engine, Health, Outcome, StatsSnapshot};
 pub use error::{Error, HandlerError, Retry};
 pub use handler::{BatchHandler, Handler};
 pub use key::{KeyExtractor, MissingKey};
 pub use kill_switch::KillSwitch;
-pub use message::{AckHandle, Event, Message};
+pub use message::{AckHandle, Event, Handled, Message};
 pub use source::{Acknowledgement, Publisher, Received, Source, SourceError};
 /// The sqlx version idem is built with; handlers use its `PgConnection` and `SqliteConnection`.
 pub use sqlx;

@@ -122,9 +122,87 @@ pub struct Event {
     pub id: String,
     /// The message as delivered.
     pub message: Message,
+    /// What the handler made of it (see [`Handled`]); reset before each attempt.
+    handled: HandledCell,
+}
+
+/// What a handler made of an event that committed, when it was not simply applied. The guards
+/// ([`crate::guard`]) set it; a handler in the natural-key mode ([`crate::Dedup::NaturalKey`]) sets
+/// [`Handled::AlreadyApplied`] when its own unique insert found the row. The engine counts and logs the event's
+/// outcome from it: `processed`, `duplicate`, `stale` or `rejected`. The transaction commits in every case (with the
+/// marker, so a redelivery is a plain duplicate).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(u8)]
+pub enum Handled {
+    /// The effect was applied (the default).
+    #[default]
+    Applied = 0,
+    /// The effect was found applied already (the natural-key mode's duplicate).
+    AlreadyApplied = 1,
+    /// An ordering guard found the event older than the state it would change; nothing was applied.
+    Stale = 2,
+    /// A state-machine guard found the event not allowed in the entity's current state; nothing was applied.
+    Rejected = 3,
+}
+
+/// The [`Handled`] of an event, settable through `&Event`.
+#[derive(Default)]
+struct HandledCell(std::sync::atomic::AtomicU8);
+
+impl HandledCell {
+    fn get(&self) -> Handled {
+        match self.0.load(std::sync::atomic::Ordering::Relaxed) {
+            1 => Handled::AlreadyApplied,
+            2 => Handled::Stale,
+            3 => Handled::Rejected,
+            _ => Handled::Applied,
+        }
+    }
+
+    fn set(&self, handled: Handled) {
+        self.0.store(handled as u8, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Clone for HandledCell {
+    fn clone(&self) -> Self {
+        let cell = HandledCell::default();
+        cell.set(self.get());
+        cell
+    }
+}
+
+/// Two events are equal by id and message; what a handler made of them is not part of it.
+impl PartialEq for HandledCell {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for HandledCell {}
+
+impl fmt::Debug for HandledCell {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.get(), f)
+    }
 }
 
 impl Event {
+    /// The event of `message` under the idempotency key `id`.
+    pub fn new(id: impl Into<String>, message: Message) -> Self {
+        Event { id: id.into(), message, handled: HandledCell::default() }
+    }
+
+    /// Records what the handler made of this event (see [`Handled`]). The last call of an attempt counts.
+    pub fn mark(&self, handled: Handled) {
+        self.handled.set(handled);
+    }
+
+    /// What the handler made of this event so far in this attempt.
+    pub fn handled(&self) -> Handled {
+        self.handled.get()
+    }
+
     /// The message body.
     pub fn payload(&self) -> &[u8] {
         &self.message.payload

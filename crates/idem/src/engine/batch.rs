@@ -65,7 +65,7 @@ impl<DB: Backend> Engine<DB> {
         messages
             .into_iter()
             .map(|message| match key.extract(&message) {
-                Ok(id) => Item::Keyed(Event { id, message }),
+                Ok(id) => Item::Keyed(Event::new(id, message)),
                 Err(reason) => Item::Unkeyed { message, reason },
             })
             .collect()

@@ -20,16 +20,35 @@ pub enum Outcome {
     /// The id was already used by an event with a different payload: the producer reused it. Not applied;
     /// logged at WARN with both positions, and dead-lettered too under [`IdReusePolicy::DeadLetter`].
     IdReused,
+    /// Older than the state it would change (an ordering guard, [`crate::guard::VersionGuard`]): committed with
+    /// its marker, nothing applied; logged at INFO with both versions.
+    Stale,
+    /// Not allowed in its entity's current state (a [`crate::guard::StateMachine`] set to reject): committed
+    /// with its marker, nothing applied; logged at INFO with the state.
+    Rejected,
 }
 
 impl Outcome {
-    /// The label used in logs and metrics: `processed`, `duplicate`, `dead_lettered`.
+    /// The label used in logs and metrics: `processed`, `duplicate`, `dead_lettered`, `id_reused`, `stale`,
+    /// `rejected`.
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Processed => "processed",
             Outcome::Duplicate => "duplicate",
             Outcome::DeadLettered => "dead_lettered",
             Outcome::IdReused => "id_reused",
+            Outcome::Stale => "stale",
+            Outcome::Rejected => "rejected",
+        }
+    }
+
+    /// The outcome of a fresh event the handler committed, from what it made of it.
+    pub(crate) fn of_handled(handled: crate::message::Handled) -> Outcome {
+        match handled {
+            crate::message::Handled::Applied => Outcome::Processed,
+            crate::message::Handled::AlreadyApplied => Outcome::Duplicate,
+            crate::message::Handled::Stale => Outcome::Stale,
+            crate::message::Handled::Rejected => Outcome::Rejected,
         }
     }
 }
@@ -43,6 +62,8 @@ pub struct Stats {
     pub(super) retried: AtomicU64,
     pub(super) dead_lettered: AtomicU64,
     pub(super) id_reused: AtomicU64,
+    pub(super) stale: AtomicU64,
+    pub(super) rejected: AtomicU64,
     pub(super) lost: AtomicU64,
 }
 
@@ -59,6 +80,10 @@ pub struct StatsSnapshot {
     pub dead_lettered: u64,
     /// Events whose id had been used by another payload.
     pub id_reused: u64,
+    /// Events an ordering guard found stale.
+    pub stale: u64,
+    /// Events a state-machine guard rejected.
+    pub rejected: u64,
     /// Events never delivered, from holes in producer sequence numbers (see [`crate::gap`]).
     pub lost: u64,
 }
@@ -72,6 +97,8 @@ impl Stats {
             retried: self.retried.load(Ordering::Relaxed),
             dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
             id_reused: self.id_reused.load(Ordering::Relaxed),
+            stale: self.stale.load(Ordering::Relaxed),
+            rejected: self.rejected.load(Ordering::Relaxed),
             lost: self.lost.load(Ordering::Relaxed),
         }
     }
@@ -82,6 +109,8 @@ impl Stats {
             Outcome::Duplicate => &self.duplicate,
             Outcome::DeadLettered => &self.dead_lettered,
             Outcome::IdReused => &self.id_reused,
+            Outcome::Stale => &self.stale,
+            Outcome::Rejected => &self.rejected,
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -118,6 +147,10 @@ pub struct Committed {
     pub dead_lettered: u64,
     /// Events whose id had been used by another payload.
     pub id_reused: u64,
+    /// Events an ordering guard found stale (committed, nothing applied).
+    pub stale: u64,
+    /// Events a state-machine guard rejected (committed, nothing applied).
+    pub rejected: u64,
 }
 
 impl<DB: Backend> Engine<DB> {
@@ -132,6 +165,8 @@ impl<DB: Backend> Engine<DB> {
                 Outcome::Duplicate => report.duplicate += 1,
                 Outcome::DeadLettered => report.dead_lettered += 1,
                 Outcome::IdReused => report.id_reused += 1,
+                Outcome::Stale => report.stale += 1,
+                Outcome::Rejected => report.rejected += 1,
             }
         }
         for (outcome, n) in [
@@ -139,6 +174,8 @@ impl<DB: Backend> Engine<DB> {
             (Outcome::Duplicate, report.duplicate),
             (Outcome::DeadLettered, report.dead_lettered),
             (Outcome::IdReused, report.id_reused),
+            (Outcome::Stale, report.stale),
+            (Outcome::Rejected, report.rejected),
         ] {
             if n > 0 {
                 metrics::counter!("events_handled_total", "consumer_group" => self.inner.config.group.clone(),
@@ -178,8 +215,9 @@ impl<DB: Backend> Engine<DB> {
                 },
                 Outcome::Processed => tracing::debug!(event_id, consumer_group = %group, topic = %m.topic,
                     partition = m.partition, offset = m.offset, outcome = outcome.as_str(), batch_ms = elapsed_ms, "processed"),
-                // Logged at WARN, with the first delivery's position, where it was detected.
-                Outcome::IdReused => {}
+                // Logged at WARN, with the first delivery's position, where it was detected; a guard's verdict
+                // at INFO, with the versions or the state, by the guard.
+                Outcome::IdReused | Outcome::Stale | Outcome::Rejected => {}
             }
         }
     }

@@ -16,10 +16,10 @@ use super::apply::Apply;
 use super::batch::{Item, key_of};
 use super::outcome::Outcome;
 use super::retry::Failed;
-use crate::config::IdReusePolicy;
+use crate::config::{Dedup, IdReusePolicy};
 use crate::error::{HandlerError, Retry, classify};
 use crate::fault::FaultPoint;
-use crate::message::{Event, Message};
+use crate::message::{Event, Handled, Message};
 use crate::store::{Backend, Claim, IntactCommit, NewDeadLetter};
 
 /// Why one attempt at a transaction did not commit.
@@ -175,8 +175,8 @@ fn replayed_for_another_group(message: &Message, group: &str) -> bool {
 
 impl<DB: Backend> Engine<DB> {
     /// The marker path: markers first, duplicates skipped, the handler on the new events.
-    /// In the run loop, the transaction a store opened while committing waits for the next batch (see
-    /// [`super::warm`]), which takes it instead of a connection and a `BEGIN`.
+    /// In the run loop, after a transaction of one message, the transaction a store opened while committing waits
+    /// for the next batch (see [`super::warm`]), which takes it instead of a connection and a `BEGIN`.
     pub(super) async fn transaction<A: Apply<DB>>(&self, items: &[Item], apply: &A) -> Result<Vec<Outcome>, Failure> {
         let tx = match self.inner.warm.take() {
             Some(tx) => tx,
@@ -194,6 +194,7 @@ impl<DB: Backend> Engine<DB> {
             )
             .await?;
         if let Some(next) = next
+            && items.len() == 1
             && self.inner.running.load(std::sync::atomic::Ordering::SeqCst)
         {
             self.inner.warm.keep(next);
@@ -233,6 +234,28 @@ impl<DB: Backend> Engine<DB> {
         let mut outcomes = vec![Outcome::Duplicate; items.len()];
         let mut fresh: Vec<&Event> = Vec::with_capacity(claimed.len());
         let mut fresh_at: Vec<usize> = Vec::with_capacity(claimed.len());
+        if config.dedup == Dedup::NaturalKey {
+            // No marker: every event goes to the handler, whose own unique insert decides (see `Dedup`).
+            for (index, event) in &claimed {
+                if let Some(reason) = event.message.dead_letter_reason.as_deref() {
+                    let letter = NewDeadLetter {
+                        event_id: Some(&event.id),
+                        message: &event.message,
+                        error: reason,
+                        attempts: 0,
+                    };
+                    DB::dead_letter(&mut *tx, &config.tables, &config.group, &letter)
+                        .await
+                        .map_err(Failure::Database)?;
+                    outcomes[*index] = Outcome::DeadLettered;
+                } else {
+                    fresh.push(event);
+                    fresh_at.push(*index);
+                }
+            }
+            claimed.clear();
+            reused_in_batch.clear();
+        }
         if !claimed.is_empty() {
             // In one order for every transaction (by id), so two batches holding common events wait on each other
             // at most one way round: concurrent duplicates across partitions never deadlock on their markers.
@@ -264,7 +287,6 @@ impl<DB: Backend> Engine<DB> {
                         outcomes[*index] = Outcome::DeadLettered;
                     }
                     Claim::New => {
-                        outcomes[*index] = Outcome::Processed;
                         fresh.push(event);
                         fresh_at.push(*index);
                     }
@@ -292,9 +314,16 @@ impl<DB: Backend> Engine<DB> {
             }
         }
 
-        // 3. The user's effects, in the same transaction; checked intact before COMMIT.
+        // 3. The user's effects, in the same transaction; checked intact before COMMIT. What the handler made of
+        // each event (applied, stale, …) is read afresh in every attempt.
+        for event in &fresh {
+            event.mark(Handled::Applied);
+        }
         if let Err((at, error)) = apply.apply(&fresh, &mut *tx).await {
             return Err(Failure::Handler { at: at.map(|i| fresh_at[i]), error });
+        }
+        for (event, &index) in fresh.iter().zip(&fresh_at) {
+            outcomes[index] = Outcome::of_handled(event.handled());
         }
         let user_code = !fresh.is_empty();
         Ok(End::Commit { value: outcomes, user_writes: user_code, check_intact: user_code })
@@ -332,7 +361,9 @@ impl<DB: Backend> Engine<DB> {
         let config = &self.inner.config;
         let mut conn = crate::store::connect::connection(&self.inner.pool).await?;
         let body = async |tx: &mut DB::Connection| {
-            if let Item::Keyed(event) = item {
+            if let Item::Keyed(event) = item
+                && config.dedup == Dedup::Markers
+            {
                 let claims = DB::claim(&mut *tx, &config.tables, &config.layout, &config.group, &[event]).await?;
                 if claims.first() != Some(&Claim::New) {
                     // Another consumer handled it in the meantime: nothing to dead-letter.

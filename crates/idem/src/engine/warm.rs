@@ -6,6 +6,12 @@
 //! rolls back every one of them before it returns. Nothing runs in such a transaction before the next batch's
 //! first statement (no snapshot, no lock); only `now()` in a handler, the transaction's start, can be up to
 //! [`KEPT_FOR`] earlier than the statement that reads it.
+//!
+//! Only a transaction of one message keeps its successor (the per-event path, where the saved round trips are a
+//! third of the work). After a transaction of many messages the successor is rolled back: the statements of a
+//! batch run measurably slower in a transaction opened that way (`idem-bench --events 20000 --runs 3`, batched
+//! 100 with a per-message handler: about 10,000 events/s kept against 15,000 not; batched 1000: 12,000 against
+//! 16,000), and a batch saves only one round trip in hundreds.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

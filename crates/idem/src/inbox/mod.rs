@@ -202,6 +202,13 @@ impl SequentialInbox {
     /// An inbox over `engine`; refuses an invalid configuration with the field and the fix.
     pub fn new(engine: Engine<sqlx::Postgres>, config: InboxConfig) -> Result<Self, Error> {
         config.validate()?;
+        if engine.config().dedup == crate::config::Dedup::NaturalKey {
+            return Err(Error::Config(
+                "the Sequential Inbox claims its own rows and cannot run in the natural-key mode: build its engine \
+                 with the default marker dedup (drop `Config::natural_key`)"
+                    .into(),
+            ));
+        }
         let mut index = HashMap::new();
         for (s, sequence) in config.sequences.iter().enumerate() {
             for (t, message_type) in sequence.types.iter().enumerate() {
@@ -310,7 +317,7 @@ impl SequentialInbox {
         let Some(context) = message_type.context_id.extract(&message) else { return Route::Direct(message) };
         match self.engine.config().key.extract(&message) {
             Ok(id) => {
-                Route::Sequenced(Sequenced { event: Event { id, message }, sequence: s, message_type: t, context })
+                Route::Sequenced(Sequenced { event: Event::new(id, message), sequence: s, message_type: t, context })
             }
             // The engine dead-letters a message without an idempotence id, naming the extractor.
             Err(_) => Route::Direct(message),

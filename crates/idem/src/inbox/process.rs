@@ -322,7 +322,7 @@ impl SequentialInbox {
             Fatal(Failure),
         }
         let config = self.engine.config();
-        let event = Event { id: waiting.idempotence_id.clone(), message: waiting.message.clone() };
+        let event = Event::new(waiting.idempotence_id.clone(), waiting.message.clone());
         let retrying = Retrying { group: &config.group, what: "the released message", on_retry: &|| {} };
         // Every attempt runs on the releasing transaction, one at a time.
         let tx = tokio::sync::Mutex::new(tx);

@@ -171,28 +171,29 @@ impl Store for Postgres {
     }
 
     async fn transaction_intact(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-        // Fails with 25P02 in an aborted transaction; NULL when no transaction holds our claim any more.
-        let xid: Option<String> =
-            sqlx::query_scalar("SELECT pg_current_xact_id_if_assigned()::text").fetch_one(conn).await?;
-        Ok(xid.is_some())
+        // A savepoint can only be taken in an open transaction block (25P01 once user code ended it with COMMIT or
+        // ROLLBACK) that is not aborted (25P02). Unlike a check of the transaction id, it holds when the
+        // transaction wrote nothing (the natural-key mode's duplicate).
+        match sqlx::Executor::execute(conn, INTACT).await {
+            Ok(_) => Ok(true),
+            Err(error) if sql_state(&error) == Some("25P01") => Ok(false),
+            Err(error) => Err(error),
+        }
     }
 
     /// The check, `COMMIT` and a `BEGIN` go out as one simple query: one round trip where a check and a
     /// `COMMIT` would take two, and the next transaction's `BEGIN` a third. PostgreSQL runs them in order and
-    /// stops at the first error, so an aborted transaction fails the check (25P02) and never reaches `COMMIT`.
-    /// sqlx still counts the transaction as open, which the trailing `BEGIN` makes true: the transaction handed
-    /// back is that new, empty one (no snapshot is taken before its first statement). Dropping it queues a
-    /// `ROLLBACK` that goes out with the connection's next message.
+    /// stops at the first error, so a transaction that is aborted (25P02) or no longer open (25P01) fails the
+    /// check and never reaches `COMMIT`. sqlx still counts the transaction as open, which the trailing `BEGIN`
+    /// makes true: the transaction handed back is that new, empty one (no snapshot is taken before its first
+    /// statement). Dropping it queues a `ROLLBACK` that goes out with the connection's next message.
     async fn commit_intact<'c>(mut tx: sqlx::Transaction<'c, Postgres>) -> IntactCommit<'c, Postgres> {
-        const CHECK_COMMIT_BEGIN: &str = "SELECT pg_current_xact_id_if_assigned()::text; COMMIT; BEGIN";
-        // A query without arguments goes out as a simple query, which may hold several statements.
+        const CHECK_COMMIT_BEGIN: &str = "SAVEPOINT idem_intact; COMMIT; BEGIN";
         let conn: &mut PgConnection = &mut tx;
-        match sqlx::Executor::fetch_all(conn, CHECK_COMMIT_BEGIN).await {
-            Ok(rows) => {
-                let xid: Option<String> = rows.first().and_then(|row| row.try_get(0).ok()).flatten();
-                if xid.is_some() { IntactCommit::Committed(Some(tx)) } else { IntactCommit::Ended }
-            }
-            Err(error) if error.as_database_error().and_then(|e| e.code()).as_deref() == Some("25P02") => {
+        match sqlx::Executor::execute(conn, CHECK_COMMIT_BEGIN).await {
+            Ok(_) => IntactCommit::Committed(Some(tx)),
+            Err(error) if sql_state(&error) == Some("25P01") => IntactCommit::Ended,
+            Err(error) if sql_state(&error) == Some("25P02") => {
                 let _ = tx.rollback().await;
                 IntactCommit::Aborted(error)
             }
@@ -207,6 +208,16 @@ impl Store for Postgres {
         letter: &NewDeadLetter<'_>,
     ) -> Result<(), sqlx::Error> {
         super::dead_letter_row::write::<Postgres>(conn, tables, group, letter, "now()").await
+    }
+}
+
+/// Takes and releases a savepoint: fails outside a transaction block (25P01) and in an aborted one (25P02).
+const INTACT: &str = "SAVEPOINT idem_intact; RELEASE SAVEPOINT idem_intact";
+
+fn sql_state(error: &sqlx::Error) -> Option<&str> {
+    match error {
+        sqlx::Error::Database(db) => db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>().map(|e| e.code()),
+        _ => None,
     }
 }
 

@@ -101,6 +101,7 @@ impl Drop for TempDir {
 pub trait TestPool: Send + Sync {
     fn exec(&self, sql: &str) -> impl Future<Output = ()> + Send;
     fn scalar(&self, sql: &str) -> impl Future<Output = i64> + Send;
+    fn scalar_text(&self, sql: &str) -> impl Future<Output = String> + Send;
 }
 
 impl TestPool for sqlx::PgPool {
@@ -110,6 +111,9 @@ impl TestPool for sqlx::PgPool {
     async fn scalar(&self, sql: &str) -> i64 {
         sqlx::query_scalar(sql).fetch_one(self).await.unwrap_or_else(|e| panic!("{sql}: {e}"))
     }
+    async fn scalar_text(&self, sql: &str) -> String {
+        sqlx::query_scalar(sql).fetch_one(self).await.unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
 }
 
 impl TestPool for sqlx::SqlitePool {
@@ -117,6 +121,9 @@ impl TestPool for sqlx::SqlitePool {
         sqlx::raw_sql(sql).execute(self).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
     }
     async fn scalar(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sql).fetch_one(self).await.unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+    async fn scalar_text(&self, sql: &str) -> String {
         sqlx::query_scalar(sql).fetch_one(self).await.unwrap_or_else(|e| panic!("{sql}: {e}"))
     }
 }
