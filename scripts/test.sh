@@ -73,8 +73,10 @@ fi
 # The property tests of the parsers of untrusted bytes run 1,024 cases each (PROPTEST_CASES raises it).
 PROPTEST_CASES="${PROPTEST_CASES:-1024}" cargo test --workspace --all-targets "$@"
 cargo test --workspace --doc
-# The examples run to their end and check their own results (order_sequence on PostgreSQL).
+# The examples run to their end and check their own results (order_sequence on PostgreSQL; orders_guarded
+# exits non-zero on any order in a wrong final state).
 cargo run --quiet -p idem --example credit
+cargo run --quiet -p idem --example orders_guarded
 IDEM_DATABASE_URL="${IDEM_EXAMPLE_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}" \
   cargo run --quiet -p idem --example order_sequence
 # The benchmark's small version: every leg runs and every ledger total is right (speeds are not checked).

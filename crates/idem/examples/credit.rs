@@ -7,7 +7,8 @@ use idem::embedded::{ConsumerOptions, EmbeddedLog};
 use idem::{Config, Engine, Event, Handler, HandlerError, KeyExtractor, Tables};
 use sqlx::SqliteConnection;
 
-struct Credit;
+/// Credits the payment's account, in idem's transaction.
+pub struct Credit;
 
 #[derive(serde::Deserialize)]
 struct Payment {

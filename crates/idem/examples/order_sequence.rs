@@ -15,10 +15,10 @@ use idem::{Config, Engine, Event, Handler, HandlerError, KeyExtractor, Tables};
 use sqlx::PgConnection;
 
 /// The sequence, as a deployment would keep it in a file.
-const SEQUENCES: &str = include_str!("order_sequence.toml");
+pub const SEQUENCES: &str = include_str!("order_sequence.toml");
 
 /// Appends each handled event to the order's history, in the inbox's transaction.
-struct History;
+pub struct History;
 
 impl Handler<sqlx::Postgres> for History {
     async fn handle(&self, event: &Event, tx: &mut PgConnection) -> Result<(), HandlerError> {
@@ -38,8 +38,11 @@ impl Handler<sqlx::Postgres> for History {
     }
 }
 
-/// Publishes one order's events in a scrambled order, with two redeliveries.
-fn publish(producer: &idem::embedded::LogProducer, order: &str) -> Result<(), idem::SourceError> {
+/// A message's headers.
+pub type Headers = Vec<(String, Vec<u8>)>;
+
+/// One order's events in a scrambled order, with two redeliveries: `(headers, payload)`.
+pub fn events(order: &str) -> Vec<(Headers, String)> {
     let events = [
         ("OrderShipped", None, "shipped", "4"),
         ("OrderValidated", Some("payment"), "payment validated", "3"),
@@ -48,12 +51,21 @@ fn publish(producer: &idem::embedded::LogProducer, order: &str) -> Result<(), id
         ("OrderCreated", None, "created", "1"),
         ("OrderValidated", Some("stock"), "stock validated", "2"),
     ];
-    for (kind, sub_type, step, n) in events {
-        let mut headers = vec![("type".to_owned(), kind.as_bytes().to_vec())];
-        if let Some(sub_type) = sub_type {
-            headers.push(("subtype".to_owned(), sub_type.as_bytes().to_vec()));
-        }
-        let payload = format!(r#"{{"eventId":"{order}-{n}","orderId":"{order}","step":"{step}"}}"#);
+    events
+        .into_iter()
+        .map(|(kind, sub_type, step, n)| {
+            let mut headers = vec![("type".to_owned(), kind.as_bytes().to_vec())];
+            if let Some(sub_type) = sub_type {
+                headers.push(("subtype".to_owned(), sub_type.as_bytes().to_vec()));
+            }
+            (headers, format!(r#"{{"eventId":"{order}-{n}","orderId":"{order}","step":"{step}"}}"#))
+        })
+        .collect()
+}
+
+/// Publishes one order's events.
+fn publish(producer: &idem::embedded::LogProducer, order: &str) -> Result<(), idem::SourceError> {
+    for (headers, payload) in events(order) {
         producer.send("orders", Some(order.as_bytes()), payload.as_bytes(), &headers)?;
     }
     producer.flush()

@@ -45,7 +45,7 @@
 use std::fmt::{self, Debug, Write as _};
 
 use crate::config::Config;
-use crate::engine::{Engine, Outcome};
+use crate::engine::Engine;
 use crate::error::Error;
 use crate::handler::{BatchHandler, Handler};
 use crate::key::KeyExtractor;
@@ -125,19 +125,26 @@ impl fmt::Display for Report {
     }
 }
 
-/// User code under test: a per-message or a batch handler.
+/// User code under test: a per-message or a batch handler, or a handler behind the Sequential Inbox.
 trait Subject<DB: Backend> {
-    async fn deliver(&self, engine: &Engine<DB>, message: &Message) -> Result<Vec<Outcome>, Error>;
+    /// Delivers one message; an error is the kit's (the database went away), not a finding.
+    async fn deliver(&self, engine: &Engine<DB>, message: &Message) -> Result<(), Error>;
     /// Runs the effect of `event` in a transaction that then rolls back, as a crash before `COMMIT` would.
     async fn run_and_roll_back(&self, event: &Event, tx: &mut DB::Connection);
+    /// Empties idem's own tables that are not kept per consumer group (the Sequential Inbox's).
+    async fn clear(&self, _engine: &Engine<DB>) -> Result<(), Error> {
+        Ok(())
+    }
 }
 
 struct PerMessage<'h, H>(&'h H);
 struct PerBatch<'h, B>(&'h B);
 
+struct Inbox<'h, H>(&'h H, &'h crate::inbox::InboxConfig);
+
 impl<DB: Backend, H: Handler<DB>> Subject<DB> for PerMessage<'_, H> {
-    async fn deliver(&self, engine: &Engine<DB>, message: &Message) -> Result<Vec<Outcome>, Error> {
-        engine.process(vec![message.clone()], self.0).await
+    async fn deliver(&self, engine: &Engine<DB>, message: &Message) -> Result<(), Error> {
+        engine.process(vec![message.clone()], self.0).await.map(drop)
     }
     async fn run_and_roll_back(&self, event: &Event, tx: &mut DB::Connection) {
         let _ = self.0.handle(event, tx).await;
@@ -145,11 +152,48 @@ impl<DB: Backend, H: Handler<DB>> Subject<DB> for PerMessage<'_, H> {
 }
 
 impl<DB: Backend, B: BatchHandler<DB>> Subject<DB> for PerBatch<'_, B> {
-    async fn deliver(&self, engine: &Engine<DB>, message: &Message) -> Result<Vec<Outcome>, Error> {
-        engine.process_batched(vec![message.clone()], self.0).await
+    async fn deliver(&self, engine: &Engine<DB>, message: &Message) -> Result<(), Error> {
+        engine.process_batched(vec![message.clone()], self.0).await.map(drop)
     }
     async fn run_and_roll_back(&self, event: &Event, tx: &mut DB::Connection) {
         let _ = self.0.handle_batch(&[event], tx).await;
+    }
+}
+
+impl<H: Handler<sqlx::Postgres>> Subject<sqlx::Postgres> for Inbox<'_, H> {
+    async fn deliver(&self, engine: &Engine<sqlx::Postgres>, message: &Message) -> Result<(), Error> {
+        let inbox = crate::inbox::SequentialInbox::new(engine.clone(), self.1.clone())?;
+        inbox.process(vec![message.clone()], self.0).await.map(drop)
+    }
+    async fn run_and_roll_back(&self, event: &Event, tx: &mut sqlx::PgConnection) {
+        let _ = self.0.handle(event, tx).await;
+    }
+    async fn clear(&self, engine: &Engine<sqlx::Postgres>) -> Result<(), Error> {
+        let sql = engine.config().tables.render(
+            "DELETE FROM {t}sequenced_message; DELETE FROM {t}sequence_instance; \
+             DELETE FROM {t}sequential_inbox_idempotence",
+        );
+        sqlx::raw_sql(&sql).execute(engine.pool()).await?;
+        Ok(())
+    }
+}
+
+impl<R, S, T> DuplicateKit<sqlx::Postgres, R, S>
+where
+    R: AsyncFn(&mut sqlx::PgConnection) -> Result<(), sqlx::Error>,
+    S: AsyncFn(&mut sqlx::PgConnection) -> Result<T, sqlx::Error>,
+    T: Debug + PartialEq,
+{
+    /// Runs every scenario with a handler behind the Sequential Inbox configured by `inbox` (PostgreSQL). The
+    /// inbox's tables are emptied before each scenario; `shuffle_by` is not needed (the inbox orders each
+    /// context itself), and the clean run delivers the messages in the order given.
+    pub async fn check_inbox<H: Handler<sqlx::Postgres>>(
+        &self,
+        handler: &H,
+        inbox: &crate::inbox::InboxConfig,
+        messages: &[Message],
+    ) -> Result<Report, Error> {
+        self.run(&Inbox(handler, inbox), messages).await
     }
 }
 
@@ -196,7 +240,7 @@ where
         let mut scenario = 0usize;
 
         // The clean run: the state after each event.
-        let engine = self.fresh(&mut scenario).await?;
+        let engine = self.fresh(&mut scenario, subject).await?;
         let mut clean = Vec::with_capacity(messages.len());
         for message in messages {
             subject.deliver(&engine, message).await?;
@@ -205,7 +249,7 @@ where
         let Some(last) = clean.last() else { return Ok(report) };
 
         // 1. Each event twice in a row.
-        let engine = self.fresh(&mut scenario).await?;
+        let engine = self.fresh(&mut scenario, subject).await?;
         let mut found = None;
         for (i, message) in messages.iter().enumerate() {
             subject.deliver(&engine, message).await?;
@@ -217,7 +261,7 @@ where
         report.record("every event delivered twice in a row", found);
 
         // 2. The whole stream twice.
-        let engine = self.fresh(&mut scenario).await?;
+        let engine = self.fresh(&mut scenario, subject).await?;
         for message in messages {
             subject.deliver(&engine, message).await?;
         }
@@ -231,7 +275,7 @@ where
         report.record("the whole stream delivered twice", found);
 
         // 3. A crash between COMMIT and the acknowledgement: the event again, to a restarted consumer.
-        let group = self.fresh(&mut scenario).await?.config().group.clone();
+        let group = self.fresh(&mut scenario, subject).await?.config().group.clone();
         let mut found = None;
         for (i, message) in messages.iter().enumerate() {
             subject.deliver(&self.engine(&group)?, message).await?;
@@ -243,7 +287,7 @@ where
         report.record("redelivered after a crash between commit and acknowledgement", found);
 
         // 4. A crash before COMMIT: the handler ran and its transaction rolled back, then the event again.
-        let engine = self.fresh(&mut scenario).await?;
+        let engine = self.fresh(&mut scenario, subject).await?;
         let mut found = None;
         for (i, message) in messages.iter().enumerate() {
             if let Ok(id) = self.config.key.extract(message) {
@@ -271,7 +315,7 @@ where
         report.record("redelivered after a crash before commit (the handler's transaction rolled back)", found);
 
         // 5. Concurrent deliveries of each event from separate connections.
-        let engine = self.fresh(&mut scenario).await?;
+        let engine = self.fresh(&mut scenario, subject).await?;
         let mut found = None;
         for (i, message) in messages.iter().enumerate() {
             let deliveries = (0..self.concurrency).map(|_| subject.deliver(&engine, message));
@@ -286,7 +330,7 @@ where
 
         // 6. Each key's events in reverse: a note when the final state depends on their order.
         if let Some(key) = &self.shuffle_key {
-            let engine = self.fresh(&mut scenario).await?;
+            let engine = self.fresh(&mut scenario, subject).await?;
             for message in reversed_per_key(messages, key) {
                 subject.deliver(&engine, &message).await?;
             }
@@ -304,11 +348,13 @@ where
     }
 
     /// An engine under the next scenario's group, with your state reset.
-    async fn fresh(&self, scenario: &mut usize) -> Result<Engine<DB>, Error> {
+    async fn fresh(&self, scenario: &mut usize, subject: &impl Subject<DB>) -> Result<Engine<DB>, Error> {
         *scenario += 1;
         let mut conn = self.pool.acquire().await?;
         (self.reset)(&mut conn).await?;
-        self.engine(&format!("{}-kit-{scenario}", self.config.group))
+        let engine = self.engine(&format!("{}-kit-{scenario}", self.config.group))?;
+        subject.clear(&engine).await?;
+        Ok(engine)
     }
 
     fn engine(&self, group: &str) -> Result<Engine<DB>, Error> {

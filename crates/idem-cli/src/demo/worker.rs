@@ -352,3 +352,84 @@ macro_rules! credit_handler {
 
 credit_handler!(sqlx::Postgres, PgConnection);
 credit_handler!(sqlx::Sqlite, SqliteConnection);
+
+/// The demo's handler under the duplicate test kit: every scenario leaves the ledger and the balances as one clean
+/// delivery does, on SQLite and on PostgreSQL.
+#[cfg(test)]
+mod kit {
+    use idem::testing::DuplicateKit;
+    use idem::{Config, KeyExtractor, Message, Tables};
+
+    use super::{Credit, PREFIX, Stage};
+    use crate::db::Db;
+
+    fn payments() -> Vec<Message> {
+        (0..20)
+            .map(|i| {
+                let payload = format!(r#"{{"id":"pay-{i}","account":{},"amount":{}}}"#, 1 + i % 4, 100 + i);
+                Message::new("payments", 0, i, payload)
+            })
+            .collect()
+    }
+
+    const RESET: &str = "DELETE FROM idem_demo_ledger; UPDATE idem_demo_accounts SET balance = 0, credits = 0";
+    const SNAPSHOT: &str =
+        "SELECT a.id, a.balance, a.credits, (SELECT count(*) FROM idem_demo_ledger l WHERE l.account = a.id)
+                              FROM idem_demo_accounts a WHERE a.id <= 4 ORDER BY a.id";
+
+    macro_rules! kit_test {
+        ($name:ident, $db:ident, $url:expr) => {
+            #[tokio::test]
+            async fn $name() {
+                let url = $url;
+                let db = Db::open(&url, 8).await.expect("database");
+                let tables = Tables::new(None, PREFIX).expect("tables");
+                super::super::prepare(&db, &tables).await.expect("demo tables");
+                let Db::$db(pool) = db else { unreachable!() };
+                let config = Config::new("demo-kit", KeyExtractor::JsonPointer("/id".into())).tables(tables);
+                let kit = DuplicateKit::new(
+                    pool.clone(),
+                    config,
+                    async |conn| sqlx::raw_sql(RESET).execute(conn).await.map(drop),
+                    async |conn| sqlx::query_as::<_, (i64, i64, i64, i64)>(SNAPSHOT).fetch_all(conn).await,
+                )
+                .shuffle_by(KeyExtractor::JsonPointer("/account".into()));
+                let handler = Credit { delay: std::time::Duration::ZERO, stage: Stage::Credit };
+                let report = kit.check(&handler, &payments()).await.expect("kit");
+                pool.close().await;
+                drop_database(&url).await;
+                report.assert_exactly_once();
+            }
+        };
+    }
+
+    async fn drop_database(url: &str) {
+        match url.rsplit_once('/') {
+            Some((server, name)) if url.starts_with("postgres") => {
+                if let Ok(admin) = Db::open(&format!("{server}/postgres"), 1).await {
+                    let _ = admin.execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await;
+                }
+            }
+            _ => {
+                let _ = std::fs::remove_file(url.trim_start_matches("sqlite://"));
+            }
+        }
+    }
+
+    kit_test!(the_demo_handler_is_exactly_once_on_sqlite, Sqlite, {
+        let path = std::env::temp_dir().join(format!("idem-demo-kit-{}.db", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        std::fs::File::create(&path).expect("sqlite file");
+        format!("sqlite://{}", path.display())
+    });
+    kit_test!(the_demo_handler_is_exactly_once_on_postgres, Postgres, {
+        // A database of its own, so that no other test's demo tables are touched.
+        let server =
+            std::env::var("IDEM_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
+        let name = format!("idem_demo_kit_{}", std::process::id());
+        let admin = Db::open(&format!("{server}/postgres"), 1).await.expect("PostgreSQL");
+        admin.execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await.expect("drop");
+        admin.execute(&format!("CREATE DATABASE {name}")).await.expect("create");
+        format!("{server}/{name}")
+    });
+}

@@ -238,11 +238,7 @@ where
     })
 }
 
-async fn fetch_pair<DB>(
-    conn: &mut DB::Connection,
-    sql: &str,
-    binds: &[Bind<'_>],
-) -> Result<Option<Pair>, sqlx::Error>
+async fn fetch_pair<DB>(conn: &mut DB::Connection, sql: &str, binds: &[Bind<'_>]) -> Result<Option<Pair>, sqlx::Error>
 where
     DB: sqlx::Database,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
