@@ -8,8 +8,8 @@ pub fn describe() {
     describe_counter!(
         "events_handled_total",
         Unit::Count,
-        "Messages handled, by consumer_group, topic and outcome (processed, duplicate, dead_lettered, id_reused; \
-         retried counts rolled-back attempts)"
+        "Messages handled, by consumer_group, topic and outcome (processed, duplicate, dead_lettered, id_reused, \
+         stale, rejected; retried counts rolled-back attempts)"
     );
     describe_histogram!(
         "event_handle_duration_seconds",

@@ -235,42 +235,16 @@ impl<DB: Backend> Engine<DB> {
         let mut fresh: Vec<&Event> = Vec::with_capacity(claimed.len());
         let mut fresh_at: Vec<usize> = Vec::with_capacity(claimed.len());
         if config.dedup == Dedup::NaturalKey {
-            // No marker: every event goes to the handler, whose own unique insert decides (see `Dedup`).
-            for (index, event) in &claimed {
-                if let Some(reason) = event.message.dead_letter_reason.as_deref() {
-                    let letter = NewDeadLetter {
-                        event_id: Some(&event.id),
-                        message: &event.message,
-                        error: reason,
-                        attempts: 0,
-                    };
-                    DB::dead_letter(&mut *tx, &config.tables, &config.group, &letter)
-                        .await
-                        .map_err(Failure::Database)?;
-                    outcomes[*index] = Outcome::DeadLettered;
-                } else {
-                    fresh.push(event);
-                    fresh_at.push(*index);
-                }
-            }
-            claimed.clear();
+            // No reused-id detection without a stored digest (see `Dedup::NaturalKey`).
             reused_in_batch.clear();
         }
         if !claimed.is_empty() {
-            // In one order for every transaction (by id), so two batches holding common events wait on each other
-            // at most one way round: concurrent duplicates across partitions never deadlock on their markers.
-            // The handler still sees the new events in delivery order.
-            let mut by_id: Vec<usize> = (0..claimed.len()).collect();
-            by_id.sort_unstable_by(|&a, &b| claimed[a].1.id.cmp(&claimed[b].1.id));
-            let events: Vec<&Event> = by_id.iter().map(|&i| claimed[i].1).collect();
-            let sorted = DB::claim(&mut *tx, &config.tables, &config.layout, &config.group, &events)
-                .await
-                .map_err(Failure::Database)?;
-            let mut claims: Vec<Option<Claim>> = (0..claimed.len()).map(|_| None).collect();
-            for (i, claim) in by_id.into_iter().zip(sorted) {
-                claims[i] = Some(claim);
-            }
-            for ((index, event), claim) in claimed.iter().zip(claims.into_iter().flatten()) {
+            let claims = match config.dedup {
+                // No marker: every event goes to the handler, whose own unique insert decides.
+                Dedup::NaturalKey => vec![Claim::New; claimed.len()],
+                Dedup::Markers => self.claim_markers(&mut *tx, &claimed).await?,
+            };
+            for ((index, event), claim) in claimed.iter().zip(claims) {
                 match claim {
                     Claim::New if event.message.dead_letter_reason.is_some() => {
                         // The broker's last delivery: kept as a dead letter, not handled (see `Message`).
@@ -327,6 +301,23 @@ impl<DB: Backend> Engine<DB> {
         }
         let user_code = !fresh.is_empty();
         Ok(End::Commit { value: outcomes, user_writes: user_code, check_intact: user_code })
+    }
+
+    /// Inserts the markers of `claimed` and returns their claims in the same order. The markers go in by id, the
+    /// same order for every transaction, so two batches holding common events wait on each other at most one way
+    /// round: concurrent duplicates across partitions never deadlock on their markers.
+    async fn claim_markers(&self, tx: &mut DB::Connection, claimed: &[(usize, &Event)]) -> Result<Vec<Claim>, Failure> {
+        let config = &self.inner.config;
+        let mut by_id: Vec<usize> = (0..claimed.len()).collect();
+        by_id.sort_unstable_by(|&a, &b| claimed[a].1.id.cmp(&claimed[b].1.id));
+        let events: Vec<&Event> = by_id.iter().map(|&i| claimed[i].1).collect();
+        let sorted =
+            DB::claim(tx, &config.tables, &config.layout, &config.group, &events).await.map_err(Failure::Database)?;
+        let mut claims: Vec<Option<Claim>> = (0..claimed.len()).map(|_| None).collect();
+        for (i, claim) in by_id.into_iter().zip(sorted) {
+            claims[i] = Some(claim);
+        }
+        Ok(claims.into_iter().flatten().collect())
     }
 
     /// A reused id: logged with both positions, and dead-lettered in this transaction when the policy says so.
