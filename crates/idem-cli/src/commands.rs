@@ -257,7 +257,7 @@ const RETENTION_FLOOR: std::time::Duration = std::time::Duration::from_secs(3_60
 pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -> anyhow::Result<ExitCode> {
     let PruneOptions { group, ref pruning, dry_run, json, create_ahead, force } = *options;
     let retention_text = retention.trim();
-    let retention = idem::prune::parse_duration(retention)?;
+    let retention = idem::duration::parse(retention)?;
     if retention < RETENTION_FLOOR && !force {
         bail!(
             "--retention {retention_text} is below one hour: markers would go while the broker can still redeliver \

@@ -59,8 +59,8 @@ enum Command {
     Prune {
         #[command(flatten)]
         db: DbArgs,
-        /// Keep markers this long: e.g. 8d, 36h, 90m. Keep it above how long the broker can redeliver; below one
-        /// hour is refused without --force.
+        /// Keep markers this long: e.g. 8d, 36h, 1h30m, or ISO 8601 (P8D, PT36H). Keep it above how long the broker
+        /// can redeliver; below one hour is refused without --force.
         #[arg(long)]
         retention: String,
         /// Accept a retention below one hour.

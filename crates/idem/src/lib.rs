@@ -52,6 +52,7 @@
 //! * [`guard`]: ordering guards a handler calls in idem's transaction: a [`guard::VersionGuard`] (newer versions
 //!   only) and a [`guard::StateMachine`] (declared transitions). [`Dedup::NaturalKey`] lets the handler's own
 //!   unique insert replace the marker.
+//! * [`duration`]: durations as people write them (`8d`, `1h30m`, ISO 8601 `P2D`), one parser for every setting.
 //! * [`prune`]: bounded, lock-friendly pruning of markers. [`kill_switch`]: holding the consumer when every
 //!   message fails the same way.
 //! * [`outbox`]: the transactional outbox: enqueue in the caller's transaction, a [`outbox::Relay`] that delivers
@@ -68,6 +69,7 @@
 
 pub mod config;
 pub mod dead_letter;
+pub mod duration;
 pub mod embedded;
 pub mod engine;
 pub mod error;

@@ -60,37 +60,3 @@ pub async fn count_expired<DB: Backend>(
 ) -> Result<i64, Error> {
     DB::count_expired(pool, tables, group, retention).await
 }
-
-/// Parses a retention such as `8d`, `36h`, `90m` or `600s`.
-pub fn parse_duration(text: &str) -> Result<Duration, Error> {
-    let text = text.trim();
-    let bad = || Error::Config(format!("`{text}` is not a duration: use a number with d, h, m or s, e.g. 8d"));
-    let split = text.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
-    let (number, unit) = text.split_at(split);
-    let number: u64 = number.parse().map_err(|_| bad())?;
-    let seconds = match unit {
-        "d" => number.checked_mul(86_400),
-        "h" => number.checked_mul(3_600),
-        "m" => number.checked_mul(60),
-        "s" => Some(number),
-        _ => None,
-    }
-    .ok_or_else(bad)?;
-    Ok(Duration::from_secs(seconds))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("8d").unwrap(), Duration::from_secs(8 * 86_400));
-        assert_eq!(parse_duration("36h").unwrap(), Duration::from_secs(36 * 3_600));
-        assert_eq!(parse_duration("90m").unwrap(), Duration::from_secs(5_400));
-        assert_eq!(parse_duration("600s").unwrap(), Duration::from_secs(600));
-        for bad in ["8", "d", "8w", "-1d", ""] {
-            assert!(parse_duration(bad).is_err(), "{bad}");
-        }
-    }
-}

@@ -41,7 +41,7 @@ fn extractor(field: &str, text: &str) -> Result<KeyExtractor, Error> {
 }
 
 fn duration(field: &str, text: &str) -> Result<Duration, Error> {
-    crate::prune::parse_duration(text).map_err(|e| Error::Config(format!("inbox housekeeping `{field}`: {e}")))
+    crate::duration::parse(text).map_err(|e| Error::Config(format!("inbox housekeeping `{field}`: {}", message(e))))
 }
 
 /// A TOML offset date-time (`2026-12-01T00:00:00Z`) as a point in time.
@@ -140,8 +140,8 @@ impl InboxFile {
 impl SequenceFile {
     fn into_sequence(self) -> Result<Sequence, Error> {
         let name = self.name;
-        let retention: Duration = crate::prune::parse_duration(&self.retention)
-            .map_err(|e| Error::Config(format!("sequence `{name}`: retention: {e}")))?;
+        let retention: Duration = crate::duration::parse(&self.retention)
+            .map_err(|e| Error::Config(format!("sequence `{name}`: retention: {}", message(e))))?;
         let types = self
             .types
             .into_iter()
