@@ -23,10 +23,22 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Create or upgrade idem's tables (processed_events, dead_letters, the outbox and, on PostgreSQL, the Sequential
-    /// Inbox's); safe to run twice and concurrently.
+    /// Inbox's); safe to run twice and concurrently. `idem migrate info` lists applied and pending migrations with
+    /// their checksums; `--print-sql` prints the SQL for your own migration tool instead of applying it.
     Migrate {
+        /// `info`: list every migration with its state (applied, pending, changed, unknown) and checksums.
+        #[arg(value_enum)]
+        action: Option<commands::MigrateAction>,
         #[command(flatten)]
         db: DbArgs,
+        /// Print the migrations as one SQL script (with their ledger rows) for Flyway, Liquibase or sqlx-cli,
+        /// without connecting; the dialect follows --database-url's scheme. `--print-sql=N` prints only those
+        /// after version N (the last one applied, after an upgrade of idem).
+        #[arg(long, conflicts_with = "action", num_args = 0..=1, default_missing_value = "0", value_name = "AFTER")]
+        print_sql: Option<i32>,
+        /// With `info`: one JSON object.
+        #[arg(long)]
+        json: bool,
     },
     /// Run the payments-ledger demo: produce events with duplicates, consume them while killing the consumer,
     /// and check the ledger to the cent.
@@ -206,7 +218,9 @@ fn main() -> ExitCode {
     idem_cli::run_to_exit(
         async {
             match cli.command {
-                Command::Migrate { db } => commands::migrate(&db).await,
+                Command::Migrate { action, db, print_sql, json } => {
+                    commands::migrate(&db, action, print_sql, json).await
+                }
                 Command::Demo(args) => demo::run(args).await,
                 Command::DemoWorker(args) => demo::worker(args).await,
                 Command::DemoPrepare { database_url } => demo::prepare_only(&database_url).await,

@@ -15,7 +15,7 @@ pub mod sqlite;
 
 use std::future::Future;
 
-pub use migrate::{Migration, MigrationReport};
+pub use migrate::{Migration, MigrationReport, MigrationState, MigrationStatus, migration_script, migration_status};
 
 use crate::config::MarkerLayout;
 use crate::error::Error;
@@ -48,6 +48,8 @@ pub trait Store: sqlx::Database + Sized {
 
     /// The migrations of this backend, in version order.
     fn migrations() -> &'static [Migration];
+    /// The columns of this store's migration ledger, `{prefix}idem_migrations` (version, name, checksum, when).
+    fn ledger_columns() -> &'static str;
     /// Applies the missing migrations under a lock, so that two processes migrating at once are safe.
     fn migrate(pool: &sqlx::Pool<Self>, tables: &Tables)
     -> impl Future<Output = Result<MigrationReport, Error>> + Send;
@@ -157,6 +159,12 @@ pub trait Operations: Store {
         tables: &Tables,
         id: i64,
     ) -> impl Future<Output = Result<(), Error>> + Send;
+    /// The migrations recorded in the ledger, `(version, checksum)`; none when the ledger does not exist yet.
+    /// Reads only.
+    fn applied_migrations(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+    ) -> impl Future<Output = Result<Vec<(i32, i64)>, Error>> + Send;
 }
 
 /// A store idem consumes into and operates on: [`Store`] and [`Operations`] together.

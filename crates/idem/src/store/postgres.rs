@@ -33,6 +33,11 @@ impl Store for Postgres {
         &MIGRATIONS
     }
 
+    fn ledger_columns() -> &'static str {
+        "version int PRIMARY KEY, name text NOT NULL, checksum bigint NOT NULL, \
+         applied_at timestamptz NOT NULL DEFAULT now()"
+    }
+
     async fn migrate(pool: &sqlx::PgPool, tables: &Tables) -> Result<MigrationReport, Error> {
         let mut conn = pool.acquire().await?;
         let mut tx = conn.begin().await?;
@@ -41,9 +46,7 @@ impl Store for Postgres {
             let create = format!("CREATE SCHEMA IF NOT EXISTS {schema}");
             sqlx::query(&create).execute(&mut *tx).await?;
         }
-        let columns = "version int PRIMARY KEY, name text NOT NULL, checksum bigint NOT NULL, \
-                       applied_at timestamptz NOT NULL DEFAULT now()";
-        let report = super::migrate::apply::<Postgres>(&mut tx, tables, &MIGRATIONS, columns).await?;
+        let report = super::migrate::apply::<Postgres>(&mut tx, tables, &MIGRATIONS, Self::ledger_columns()).await?;
         tx.commit().await?;
         Ok(report)
     }
@@ -287,6 +290,10 @@ impl Operations for Postgres {
 
     async fn finish_replay(pool: &sqlx::PgPool, tables: &Tables, id: i64) -> Result<(), Error> {
         super::replay::finish(pool, tables, id).await
+    }
+
+    async fn applied_migrations(pool: &sqlx::PgPool, tables: &Tables) -> Result<Vec<(i32, i64)>, Error> {
+        super::migrate::applied::<Postgres>(pool, tables).await
     }
 }
 

@@ -25,6 +25,11 @@ impl Store for Sqlite {
         &MIGRATIONS
     }
 
+    fn ledger_columns() -> &'static str {
+        "version INTEGER PRIMARY KEY, name TEXT NOT NULL, checksum INTEGER NOT NULL, \
+         applied_at INTEGER NOT NULL DEFAULT (unixepoch())"
+    }
+
     async fn migrate(pool: &sqlx::SqlitePool, tables: &Tables) -> Result<MigrationReport, Error> {
         if tables.schema().is_some() {
             return Err(Error::Config(
@@ -34,9 +39,7 @@ impl Store for Sqlite {
         let mut conn = pool.acquire().await?;
         // BEGIN IMMEDIATE takes the write lock up front: a second migrating process waits here.
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-        let columns = "version INTEGER PRIMARY KEY, name TEXT NOT NULL, checksum INTEGER NOT NULL, \
-                       applied_at INTEGER NOT NULL DEFAULT (unixepoch())";
-        let report = super::migrate::apply::<Sqlite>(&mut tx, tables, &MIGRATIONS, columns).await?;
+        let report = super::migrate::apply::<Sqlite>(&mut tx, tables, &MIGRATIONS, Self::ledger_columns()).await?;
         tx.commit().await?;
         Ok(report)
     }
@@ -188,6 +191,10 @@ impl Operations for Sqlite {
 
     async fn finish_replay(pool: &sqlx::SqlitePool, tables: &Tables, id: i64) -> Result<(), Error> {
         super::replay::finish(pool, tables, id).await
+    }
+
+    async fn applied_migrations(pool: &sqlx::SqlitePool, tables: &Tables) -> Result<Vec<(i32, i64)>, Error> {
+        super::migrate::applied::<Sqlite>(pool, tables).await
     }
 }
 
