@@ -39,13 +39,15 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Each scenario runs under a consumer group of its own (`<group>-kit-<n>`), after your `reset` function has put
-//! your tables back to their initial state; idem's tables need to be migrated beforehand.
+//! Each scenario runs under a consumer group of its own (`<group>-kit-<run>-<n>`, new for every run), after your
+//! `reset` function has put your tables back to their initial state; idem's tables need to be migrated
+//! beforehand. A clean run that dead-letters every event fails (it would prove nothing); one that dead-letters
+//! some is noted.
 
 use std::fmt::{self, Debug, Write as _};
 
 use crate::config::Config;
-use crate::engine::Engine;
+use crate::engine::{Engine, Outcome};
 use crate::error::Error;
 use crate::handler::{BatchHandler, Handler};
 use crate::key::KeyExtractor;
@@ -127,8 +129,9 @@ impl fmt::Display for Report {
 
 /// User code under test: a per-message or a batch handler, or a handler behind the Sequential Inbox.
 trait Subject<DB: Backend> {
-    /// Delivers one message; an error is the kit's (the database went away), not a finding.
-    async fn deliver(&self, engine: &Engine<DB>, message: &Message) -> Result<(), Error>;
+    /// Delivers one message and says whether it was dead-lettered; an error is the kit's (the database went
+    /// away), not a finding.
+    async fn deliver(&self, engine: &Engine<DB>, message: &Message) -> Result<bool, Error>;
     /// Runs the effect of `event` in a transaction that then rolls back, as a crash before `COMMIT` would.
     async fn run_and_roll_back(&self, event: &Event, tx: &mut DB::Connection);
     /// Empties idem's own tables that are not kept per consumer group (the Sequential Inbox's).
@@ -143,8 +146,8 @@ struct PerBatch<'h, B>(&'h B);
 struct Inbox<'h, H>(&'h H, &'h crate::inbox::InboxConfig);
 
 impl<DB: Backend, H: Handler<DB>> Subject<DB> for PerMessage<'_, H> {
-    async fn deliver(&self, engine: &Engine<DB>, message: &Message) -> Result<(), Error> {
-        engine.process(vec![message.clone()], self.0).await.map(drop)
+    async fn deliver(&self, engine: &Engine<DB>, message: &Message) -> Result<bool, Error> {
+        Ok(engine.process(vec![message.clone()], self.0).await?.contains(&Outcome::DeadLettered))
     }
     async fn run_and_roll_back(&self, event: &Event, tx: &mut DB::Connection) {
         let _ = self.0.handle(event, tx).await;
@@ -152,8 +155,8 @@ impl<DB: Backend, H: Handler<DB>> Subject<DB> for PerMessage<'_, H> {
 }
 
 impl<DB: Backend, B: BatchHandler<DB>> Subject<DB> for PerBatch<'_, B> {
-    async fn deliver(&self, engine: &Engine<DB>, message: &Message) -> Result<(), Error> {
-        engine.process_batched(vec![message.clone()], self.0).await.map(drop)
+    async fn deliver(&self, engine: &Engine<DB>, message: &Message) -> Result<bool, Error> {
+        Ok(engine.process_batched(vec![message.clone()], self.0).await?.contains(&Outcome::DeadLettered))
     }
     async fn run_and_roll_back(&self, event: &Event, tx: &mut DB::Connection) {
         let _ = self.0.handle_batch(&[event], tx).await;
@@ -161,9 +164,13 @@ impl<DB: Backend, B: BatchHandler<DB>> Subject<DB> for PerBatch<'_, B> {
 }
 
 impl<H: Handler<sqlx::Postgres>> Subject<sqlx::Postgres> for Inbox<'_, H> {
-    async fn deliver(&self, engine: &Engine<sqlx::Postgres>, message: &Message) -> Result<(), Error> {
+    async fn deliver(&self, engine: &Engine<sqlx::Postgres>, message: &Message) -> Result<bool, Error> {
+        use crate::inbox::InboxOutcome;
         let inbox = crate::inbox::SequentialInbox::new(engine.clone(), self.1.clone())?;
-        inbox.process(vec![message.clone()], self.0).await.map(drop)
+        let outcomes = inbox.process(vec![message.clone()], self.0).await?;
+        Ok(outcomes
+            .iter()
+            .any(|o| matches!(o, InboxOutcome::DeadLettered | InboxOutcome::Direct(Outcome::DeadLettered))))
     }
     async fn run_and_roll_back(&self, event: &Event, tx: &mut sqlx::PgConnection) {
         let _ = self.0.handle(event, tx).await;
@@ -237,16 +244,42 @@ where
 
     async fn run(&self, subject: &impl Subject<DB>, messages: &[Message]) -> Result<Report, Error> {
         let mut report = Report { events: messages.len(), ..Report::default() };
-        let mut scenario = 0usize;
+        // Each run's groups are its own: markers left by an earlier run must not make every event a duplicate.
+        let run = uuid::Uuid::now_v7().simple().to_string();
+        let mut scenario = Scenario { run: &run[20..], n: 0 };
 
         // The clean run: the state after each event.
         let engine = self.fresh(&mut scenario, subject).await?;
         let mut clean = Vec::with_capacity(messages.len());
-        for message in messages {
-            subject.deliver(&engine, message).await?;
+        let mut dead_lettered = Vec::new();
+        for (i, message) in messages.iter().enumerate() {
+            if subject.deliver(&engine, message).await? {
+                dead_lettered.push(i);
+            }
             clean.push(self.read().await?);
         }
         let Some(last) = clean.last() else { return Ok(report) };
+        if !dead_lettered.is_empty() {
+            let which = format!(
+                "event{} {} of the clean run {} dead-lettered (see its dead letters, group {})",
+                if dead_lettered.len() == 1 { "" } else { "s" },
+                dead_lettered.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
+                if dead_lettered.len() == 1 { "was" } else { "were" },
+                engine.config().group
+            );
+            if dead_lettered.len() == messages.len() {
+                // Nothing was applied: every comparison would hold and prove nothing.
+                report.scenarios.push(("the clean run applies the events".into(), false));
+                report.failures.push(Finding {
+                    scenario: "the clean run applies the events".into(),
+                    index: 0,
+                    event: self.config.key.extract(&messages[0]).unwrap_or_else(|_| messages[0].broker_id()),
+                    diff: format!("every {which}"),
+                });
+                return Ok(report);
+            }
+            report.notes.push(which);
+        }
 
         // 1. Each event twice in a row.
         let engine = self.fresh(&mut scenario, subject).await?;
@@ -348,11 +381,11 @@ where
     }
 
     /// An engine under the next scenario's group, with your state reset.
-    async fn fresh(&self, scenario: &mut usize, subject: &impl Subject<DB>) -> Result<Engine<DB>, Error> {
-        *scenario += 1;
+    async fn fresh(&self, scenario: &mut Scenario<'_>, subject: &impl Subject<DB>) -> Result<Engine<DB>, Error> {
+        scenario.n += 1;
         let mut conn = self.pool.acquire().await?;
         (self.reset)(&mut conn).await?;
-        let engine = self.engine(&format!("{}-kit-{scenario}", self.config.group))?;
+        let engine = self.engine(&format!("{}-kit-{}-{}", self.config.group, scenario.run, scenario.n))?;
         subject.clear(&engine).await?;
         Ok(engine)
     }
@@ -376,6 +409,12 @@ where
         let event = self.config.key.extract(message).unwrap_or_else(|_| message.broker_id());
         Ok(Some(Finding { scenario: String::new(), index, event, diff: diff(expected, &state) }))
     }
+}
+
+/// The run and the number of a scenario, which name its consumer group.
+struct Scenario<'r> {
+    run: &'r str,
+    n: usize,
 }
 
 impl Report {

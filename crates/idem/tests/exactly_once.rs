@@ -377,6 +377,42 @@ async fn a_handler_that_commits_itself_is_caught() {
     assert_eq!(open, 0, "no connection is left inside a transaction");
 }
 
+/// A handler that rolls idem's transaction back and begins one of its own (`ROLLBACK; BEGIN` through the
+/// connection) took the marker and its effects with it: the engine's check finds a transaction that is not idem's,
+/// and the message is never reported processed (it is dead-lettered with the reason, its effect absent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_rolls_back_and_begins_again_is_caught() {
+    struct RollsBack;
+    impl Handler<sqlx::Postgres> for RollsBack {
+        async fn handle(&self, event: &idem::Event, tx: &mut sqlx::PgConnection) -> Result<(), idem::HandlerError> {
+            sqlx::query("INSERT INTO ledger (event_id, amount) VALUES ($1, 1)")
+                .bind(&event.id)
+                .execute(&mut *tx)
+                .await?;
+            if event.id == "bad" {
+                sqlx::query("ROLLBACK").execute(&mut *tx).await?;
+                sqlx::query("BEGIN").execute(&mut *tx).await?;
+            }
+            Ok(())
+        }
+    }
+    let db = common::pg().await;
+    setup(&db.pool).await;
+    let engine = Engine::new(db.pool.clone(), config(1)).unwrap();
+    let mut outcomes = Vec::new();
+    for (offset, id) in ["a", "bad", "c"].into_iter().enumerate() {
+        outcomes.extend(engine.process(vec![payment(0, offset as i64, id, 1, "")], &RollsBack).await.unwrap());
+    }
+    assert_eq!(outcomes, [Outcome::Processed, Outcome::DeadLettered, Outcome::Processed]);
+    assert_eq!(ledger_rows(&db.pool, "bad").await, 0);
+    for id in ["a", "c"] {
+        assert_eq!(ledger_rows(&db.pool, id).await, 1, "{id}");
+    }
+    let reason: String =
+        sqlx::query_scalar("SELECT error FROM dead_letters WHERE event_id = 'bad'").fetch_one(&db.pool).await.unwrap();
+    assert!(reason.contains("ended the transaction"), "{reason}");
+}
+
 /// A deferred constraint that the handler's writes break fails at `COMMIT`: the handler's fault, dead-lettered
 /// with the database's reason; neither its effect nor its marker stays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

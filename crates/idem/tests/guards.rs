@@ -530,3 +530,46 @@ async fn the_sequential_inbox_refuses_the_natural_key_mode() {
     let message = idem::inbox::SequentialInbox::new(engine, inbox).err().expect("refused").to_string();
     assert!(message.contains("natural-key mode"), "{message}");
 }
+
+/// An id longer than a `varchar(n)` id column is refused (22001), never cut short onto another entity's row.
+#[tokio::test]
+async fn a_long_id_is_not_cut_to_the_column_length() {
+    let db = common::pg().await;
+    idem::migrate(&db.pool, &idem::Tables::default()).await.expect("migrate");
+    db.pool.exec("CREATE TABLE short_ids (id varchar(3) PRIMARY KEY, version bigint)").await;
+    let guard = VersionGuard::new(&db.pool, "short_ids", "id", "version", Field::json("/e"), Field::json("/v"))
+        .await
+        .expect("guard");
+    struct Guarded(VersionGuard<sqlx::Postgres>);
+    impl Handler<sqlx::Postgres> for Guarded {
+        async fn handle(&self, event: &Event, tx: &mut sqlx::PgConnection) -> Result<(), HandlerError> {
+            let _ = self.0.check(event, tx).await?;
+            Ok(())
+        }
+    }
+    let engine = Engine::new(db.pool.clone(), config()).expect("engine");
+    let messages = vec![
+        Message::new("t", 0, 0, r#"{"id":"a","e":"abc","v":1}"#),
+        Message::new("t", 0, 1, r#"{"id":"b","e":"abcdef","v":5}"#),
+    ];
+    let outcomes = engine.process(messages, &Guarded(guard)).await.expect("process");
+    assert_eq!(outcomes, [Outcome::Processed, Outcome::DeadLettered]);
+    assert_eq!(db.pool.scalar("SELECT version FROM short_ids WHERE id = 'abc'").await, 1, "abc keeps its version");
+}
+
+/// In the natural-key mode two different events under one extracted key in one batch both reach the handler.
+#[tokio::test]
+async fn natural_key_mode_hands_every_message_of_a_batch_to_the_handler() {
+    let db = common::sqlite().await;
+    prepared(&db.pool).await;
+    let engine = Engine::new(db.pool.clone(), config().natural_key().batch_size(10)).expect("engine");
+    // Both keyed by the order (`/id` is the same), different orders inside.
+    let messages = vec![
+        Message::new("orders", 0, 0, r#"{"id":"same","order":1,"total":10}"#),
+        Message::new("orders", 0, 1, r#"{"id":"same","order":2,"total":20}"#),
+        Message::new("orders", 0, 2, r#"{"id":"same","order":1,"total":10}"#),
+    ];
+    let outcomes = engine.process(messages, &CreateOrder).await.expect("process");
+    assert_eq!(outcomes, [Outcome::Processed, Outcome::Processed, Outcome::Duplicate]);
+    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM orders").await, 2);
+}

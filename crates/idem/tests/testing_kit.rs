@@ -222,3 +222,41 @@ async fn order_dependence_is_a_note() {
     assert_eq!(report.notes.len(), 1, "{report}");
     assert!(report.notes[0].contains("json:/account"), "{report}");
 }
+
+/// A handler that fails every event permanently proves nothing: the kit fails rather than compare empty states.
+#[tokio::test]
+async fn a_clean_run_that_dead_letters_everything_fails() {
+    struct Refuses;
+    impl Handler<sqlx::Sqlite> for Refuses {
+        async fn handle(&self, _: &Event, _: &mut sqlx::SqliteConnection) -> Result<(), HandlerError> {
+            Err(HandlerError::permanent("no such account"))
+        }
+    }
+    let db = common::sqlite().await;
+    prepared(&db.pool).await;
+    let config = config().kill_switch(idem::KillSwitch::off());
+    let kit = DuplicateKit::new(
+        db.pool.clone(),
+        config,
+        async |conn| {
+            sqlx::raw_sql("DELETE FROM accounts; INSERT INTO accounts VALUES (0, 0), (1, 0), (2, 0)")
+                .execute(conn)
+                .await
+                .map(drop)
+        },
+        async |conn| {
+            sqlx::query_as::<_, (i64, i64)>("SELECT id, balance FROM accounts ORDER BY id").fetch_all(conn).await
+        },
+    );
+    let report = kit.check(&Refuses, &payments()).await.expect("kit");
+    assert!(!report.passed(), "{report}");
+    assert!(report.to_string().contains("the clean run applies the events"), "{report}");
+    // Twice on the same database: each run's groups are new, so the second is not all duplicates of the first and
+    // a handler writing outside the transaction is caught both times.
+    let sent = Sent::default();
+    let kit = kit!(db.pool, sent);
+    for run in 0..2 {
+        let report = kit.check(&CreditAndNotify(sent.clone()), &payments()).await.expect("kit");
+        assert_eq!(report.failures.len(), 1, "run {run}: {report}");
+    }
+}

@@ -102,7 +102,7 @@ impl<DB: Backend> Engine<DB> {
                         .await?
                     {
                         Attempted::Committed { outcomes: done, began } => {
-                            if done.contains(&Outcome::Processed) {
+                            if done.iter().any(|o| self.handler_committed(*o)) {
                                 self.inner.breaker.succeeded(began);
                             }
                             outcomes.extend(done)

@@ -154,6 +154,17 @@ pub struct Committed {
 }
 
 impl<DB: Backend> Engine<DB> {
+    /// Whether the handler ran and its transaction committed for a message of this outcome: a success that breaks
+    /// a run of identical failures (the kill switch). A duplicate is one only in the natural-key mode, where the
+    /// handler decided it.
+    pub(super) fn handler_committed(&self, outcome: Outcome) -> bool {
+        match outcome {
+            Outcome::Processed | Outcome::Stale | Outcome::Rejected => true,
+            Outcome::Duplicate => self.inner.config.dedup == crate::config::Dedup::NaturalKey,
+            Outcome::DeadLettered | Outcome::IdReused => false,
+        }
+    }
+
     /// Counts a committed transaction's outcomes (all of one partition, so of one topic) and tells the
     /// observer.
     pub(super) fn committed(&self, topic: &str, outcomes: &[Outcome]) {

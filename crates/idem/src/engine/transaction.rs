@@ -75,6 +75,8 @@ pub(crate) enum End<T> {
         user_writes: bool,
         /// User code ran last: check the transaction is still intact before `COMMIT` (see [`check_intact`]).
         check_intact: bool,
+        /// idem wrote in the transaction (markers): one without a transaction id is not idem's any more.
+        idem_wrote: bool,
     },
     /// Nothing to keep (the work turned out to be done already).
     Rollback(T),
@@ -84,8 +86,8 @@ pub(crate) enum End<T> {
 /// PostgreSQL transaction aborted, where `COMMIT` answers with a silent `ROLLBACK`; one that ran `COMMIT` or
 /// `ROLLBACK` itself ended it. Either is the handler's failure, with the fix in the reason; never reported (or
 /// acknowledged) as committed.
-pub(crate) async fn check_intact<DB: Backend>(conn: &mut DB::Connection) -> Result<(), Failure> {
-    match DB::transaction_intact(conn).await {
+pub(crate) async fn check_intact<DB: Backend>(conn: &mut DB::Connection, idem_wrote: bool) -> Result<(), Failure> {
+    match DB::transaction_intact(conn, idem_wrote).await {
         Ok(true) => Ok(()),
         Ok(false) => Err(Failure::Ended),
         Err(error) => Err(aborted(error)),
@@ -142,17 +144,19 @@ impl<DB: Backend> Engine<DB> {
                 return Err(failure);
             }
         };
-        let (value, user_writes, check) = match end {
+        let (value, user_writes, check, idem_wrote) = match end {
             End::Rollback(value) => {
                 tx.rollback().await?;
                 report(&value);
                 return Ok((value, None));
             }
-            End::Commit { value, user_writes, check_intact: check } => (value, user_writes, check),
+            End::Commit { value, user_writes, check_intact: check, idem_wrote } => {
+                (value, user_writes, check, idem_wrote)
+            }
         };
         faults.reached(FaultPoint::BeforeCommit);
         let ended = if check {
-            DB::commit_intact(tx).await
+            DB::commit_intact(tx, idem_wrote).await
         } else {
             tx.commit().await.map_or_else(IntactCommit::CommitFailed, |()| IntactCommit::Committed(None))
         };
@@ -219,6 +223,12 @@ impl<DB: Backend> Engine<DB> {
             if replayed_for_another_group(&event.message, &config.group) {
                 continue;
             }
+            if config.dedup == Dedup::NaturalKey {
+                // Every message to the handler: two events may share the key the extractor reads (an order id)
+                // and still differ; the handler's unique insert tells them apart.
+                claimed.push((index, event));
+                continue;
+            }
             match first_of.get(event.id.as_str()) {
                 None => {
                     first_of.insert(event.id.as_str(), event);
@@ -234,10 +244,6 @@ impl<DB: Backend> Engine<DB> {
         let mut outcomes = vec![Outcome::Duplicate; items.len()];
         let mut fresh: Vec<&Event> = Vec::with_capacity(claimed.len());
         let mut fresh_at: Vec<usize> = Vec::with_capacity(claimed.len());
-        if config.dedup == Dedup::NaturalKey {
-            // No reused-id detection without a stored digest (see `Dedup::NaturalKey`).
-            reused_in_batch.clear();
-        }
         if !claimed.is_empty() {
             let claims = match config.dedup {
                 // No marker: every event goes to the handler, whose own unique insert decides.
@@ -300,7 +306,8 @@ impl<DB: Backend> Engine<DB> {
             outcomes[index] = Outcome::of_handled(event.handled());
         }
         let user_code = !fresh.is_empty();
-        Ok(End::Commit { value: outcomes, user_writes: user_code, check_intact: user_code })
+        let idem_wrote = config.dedup == Dedup::Markers;
+        Ok(End::Commit { value: outcomes, user_writes: user_code, check_intact: user_code, idem_wrote })
     }
 
     /// Inserts the markers of `claimed` and returns their claims in the same order. The markers go in by id, the
@@ -368,7 +375,7 @@ impl<DB: Backend> Engine<DB> {
                 attempts: i32::try_from(attempts).unwrap_or(i32::MAX),
             };
             DB::dead_letter(&mut *tx, &config.tables, &config.group, &letter).await?;
-            Ok(End::Commit { value: Outcome::DeadLettered, user_writes: false, check_intact: false })
+            Ok(End::Commit { value: Outcome::DeadLettered, user_writes: false, check_intact: false, idem_wrote: true })
         };
         self.in_transaction(&mut conn, body, |outcome| self.committed(&item.message().topic, &[*outcome])).await
     }

@@ -34,8 +34,14 @@ pub enum Bind<'a> {
     Int(i64),
 }
 
-/// The stores the guards run on: PostgreSQL and SQLite.
-pub trait GuardStore: Backend {
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for sqlx::Postgres {}
+    impl Sealed for sqlx::Sqlite {}
+}
+
+/// The stores the guards run on: PostgreSQL and SQLite (sealed: its statements are idem's).
+pub trait GuardStore: Backend + sealed::Sealed {
     /// The columns of `table` (`name` or `schema.name`), or `None` when there is no such table.
     fn columns(
         pool: &sqlx::Pool<Self>,
@@ -79,7 +85,9 @@ pub trait GuardStore: Backend {
 impl GuardStore for sqlx::Postgres {
     async fn columns(pool: &sqlx::PgPool, table: &str) -> Result<Option<Vec<Column>>, sqlx::Error> {
         let rows = sqlx::query(
-            "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+            // The type without its length (`character varying`, not `character varying(20)`): a cast to a length
+            // would cut a longer id short instead of failing.
+            "SELECT a.attname::text, format_type(a.atttypid, NULL), a.attnotnull,
                     a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> ''
                FROM pg_attribute a
               WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped
@@ -95,8 +103,8 @@ impl GuardStore for sqlx::Postgres {
         sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_index i
                               JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
-                             WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indnkeyatts = 1
-                               AND i.indpred IS NULL AND a.attname = $2)",
+                             WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indimmediate
+                               AND i.indisvalid AND i.indnkeyatts = 1 AND i.indpred IS NULL AND a.attname = $2)",
         )
         .bind(table)
         .bind(column)
@@ -341,6 +349,27 @@ impl Table {
         )))
     }
 
+    /// Checks that the guard's columns are distinct and its fields well-formed.
+    pub(crate) fn distinct(what: &str, columns: &[(&str, &str)], fields: &[&super::Field]) -> Result<(), Error> {
+        for (i, (role, name)) in columns.iter().enumerate() {
+            if let Some((other, _)) = columns[..i].iter().find(|(_, n)| n == name) {
+                return Err(Error::Config(format!(
+                    "{what}: `{name}` is both the {other} and the {role} column: each needs a column of its own"
+                )));
+            }
+        }
+        for field in fields {
+            if let super::Field::Json(pointer) = field
+                && !pointer.starts_with('/')
+            {
+                return Err(Error::Config(format!(
+                    "{what}: the JSON pointer `{pointer}` does not start with `/`: write `/{pointer}`"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks that `column` alone is unique in the table.
     pub(crate) async fn unique<DB: GuardStore>(
         &self,
@@ -352,8 +381,8 @@ impl Table {
             return Ok(());
         }
         Err(Error::Config(format!(
-            "{what}: `{}.{column}` is neither the primary key nor alone under a unique index; the guard needs one \
-             row per entity: add `PRIMARY KEY ({column})` or `CREATE UNIQUE INDEX ON {} ({column})`",
+            "{what}: `{}.{column}` is neither the primary key nor alone under a unique index (not deferrable); the \
+             guard needs one row per entity: add `PRIMARY KEY ({column})` or `CREATE UNIQUE INDEX ON {} ({column})`",
             self.name, self.name
         )))
     }

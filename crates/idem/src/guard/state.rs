@@ -200,6 +200,11 @@ impl<DB: GuardStore> StateMachine<DB> {
     pub async fn new(pool: &sqlx::Pool<DB>, spec: StateMachineSpec) -> Result<Self, Error> {
         spec.validate()?;
         let what = format!("state machine on `{}`", spec.table);
+        let mut columns = vec![("id", spec.id_column.as_str()), ("state", spec.state_column.as_str())];
+        columns.extend(spec.version_column.as_deref().map(|v| ("version", v)));
+        let fields: Vec<&Field> =
+            [Some(&spec.entity), Some(&spec.event_type), spec.version.as_ref()].into_iter().flatten().collect();
+        Table::distinct(&what, &columns, &fields)?;
         let t = Table::read(pool, &what, &spec.table).await?;
         let id = t.column(&what, "id", &spec.id_column)?;
         let state = t.column(&what, "state", &spec.state_column)?;

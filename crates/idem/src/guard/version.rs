@@ -85,6 +85,7 @@ impl<DB: GuardStore> VersionGuard<DB> {
         version: Field,
     ) -> Result<Self, Error> {
         let what = format!("version guard on `{table}`");
+        Table::distinct(&what, &[("id", id_column), ("version", version_column)], &[&entity, &version])?;
         let t = Table::read(pool, &what, table).await?;
         let id = t.column(&what, "id", id_column)?;
         let v = t.column(&what, "version", version_column)?;
@@ -142,8 +143,11 @@ impl<DB: GuardStore> VersionGuard<DB> {
         // Not the next version: the row is locked now; read what it holds.
         let current = DB::fetch_pair(&mut *tx, &self.read, &binds[..1]).await?.and_then(|(_, v)| v);
         let Some(current) = current else {
-            // A row without a version (written before the guard, or deleted and re-created meanwhile): set it.
-            DB::execute(&mut *tx, &self.force, &binds).await?;
+            // A row without a version (written before the guard): set it. No row at all means the upsert wrote
+            // nothing (a trigger refused it): nothing to apply to.
+            if DB::execute(&mut *tx, &self.force, &binds).await? == 0 {
+                return Err(self.unwritable(&entity));
+            }
             return Ok(Decision::Apply);
         };
         if version <= current {
@@ -158,12 +162,24 @@ impl<DB: GuardStore> VersionGuard<DB> {
             missing = version - current - 1, decision = ?decision, "version gap: versions between are missing");
         match decision {
             GapDecision::Apply => {
-                DB::execute(&mut *tx, &self.force, &binds).await?;
+                if DB::execute(&mut *tx, &self.force, &binds).await? == 0 {
+                    return Err(self.unwritable(&gap.entity));
+                }
                 Ok(Decision::Apply)
             }
             GapDecision::DeadLetter => Err(HandlerError::permanent(gap_reason(&self.table, &gap))),
             GapDecision::Retry => Err(HandlerError::retryable(gap_reason(&self.table, &gap))),
         }
+    }
+}
+
+impl<DB> VersionGuard<DB> {
+    fn unwritable(&self, entity: &str) -> HandlerError {
+        HandlerError::permanent(format!(
+            "version guard on `{}`: the row of entity {entity} could not be written (a trigger or rule on the table \
+             refused the guard's insert or update)",
+            self.table
+        ))
     }
 }
 

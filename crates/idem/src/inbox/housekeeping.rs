@@ -126,7 +126,12 @@ impl SequentialInbox {
                 if open && types.iter().all(|t| processed.contains(&t.qualified)) {
                     store::close(&mut *tx, tables, instance).await?;
                 }
-                Ok(End::Commit { value: count, user_writes: shared && count > 0, check_intact: false })
+                Ok(End::Commit {
+                    value: count,
+                    user_writes: shared && count > 0,
+                    check_intact: false,
+                    idem_wrote: true,
+                })
             };
             let count = match self.engine.in_transaction(&mut conn, body, |_| {}).await {
                 Ok(count) => count,

@@ -186,7 +186,8 @@ impl SequentialInbox {
         let message_type = &sequence.types[sequenced.message_type];
         let type_name = message_type.qualified.to_string();
         let event = &sequenced.event;
-        let duplicate = End::Commit { value: InboxOutcome::Duplicate, user_writes: false, check_intact: false };
+        let duplicate =
+            End::Commit { value: InboxOutcome::Duplicate, user_writes: false, check_intact: false, idem_wrote: true };
         if !store::claim(&mut *tx, tables, &type_name, &event.id, instance).await.map_err(claim_failure)? {
             return Ok(duplicate);
         }
@@ -207,7 +208,12 @@ impl SequentialInbox {
         if !ready {
             store::record(&mut *tx, tables, instance, &type_name, &event.id, &event.message, Status::Waiting, replaces)
                 .await?;
-            return Ok(End::Commit { value: InboxOutcome::Buffered, user_writes: false, check_intact: false });
+            return Ok(End::Commit {
+                value: InboxOutcome::Buffered,
+                user_writes: false,
+                check_intact: false,
+                idem_wrote: true,
+            });
         }
         self.handle(handler, event, &mut *tx).await?;
         store::record(&mut *tx, tables, instance, &type_name, &event.id, &event.message, Status::Processed, replaces)
@@ -225,7 +231,7 @@ impl SequentialInbox {
         // The handler's writes share this transaction in shared mode (checked intact right after it ran, before
         // idem's own statements): a COMMIT failing for good is then theirs.
         let user_writes = self.config.transactions == InboxTransactions::Shared;
-        Ok(End::Commit { value, user_writes, check_intact: false })
+        Ok(End::Commit { value, user_writes, check_intact: false, idem_wrote: true })
     }
 
     /// Runs the handler for the message being delivered, in the claim transaction or in one of its own; in the
@@ -239,7 +245,7 @@ impl SequentialInbox {
         match self.config.transactions {
             InboxTransactions::Shared => {
                 handler.handle(event, tx).await.map_err(Failure::handler)?;
-                check_intact::<Postgres>(tx).await
+                check_intact::<Postgres>(tx, true).await
             }
             InboxTransactions::Separate => self.handle_separately(handler, event).await,
         }
@@ -251,7 +257,8 @@ impl SequentialInbox {
         let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
         let mut own = conn.begin().await?;
         handler.handle(event, &mut *own).await.map_err(Failure::handler)?;
-        if let Err(failure) = check_intact::<Postgres>(&mut own).await {
+        // The handler's own transaction: nothing of idem's in it, so one that wrote nothing is intact too.
+        if let Err(failure) = check_intact::<Postgres>(&mut own, false).await {
             let _ = own.rollback().await;
             return Err(failure);
         }
@@ -384,7 +391,7 @@ impl SequentialInbox {
             savepoint.rollback().await?;
             return Ok(Err(error));
         }
-        match check_intact::<Postgres>(&mut savepoint).await {
+        match check_intact::<Postgres>(&mut savepoint, true).await {
             Ok(()) => Ok(savepoint.commit().await.map_err(HandlerError::from)),
             Err(Failure::Handler { error, .. }) => {
                 savepoint.rollback().await?;
@@ -411,7 +418,7 @@ impl SequentialInbox {
             let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
             let body = async |tx: &mut PgConnection| {
                 Postgres::dead_letter(tx, &config.tables, &config.group, &letter).await?;
-                Ok(End::Commit { value: (), user_writes: false, check_intact: false })
+                Ok(End::Commit { value: (), user_writes: false, check_intact: false, idem_wrote: true })
             };
             self.engine.in_transaction(&mut conn, body, |_| {}).await
         };

@@ -71,11 +71,19 @@ pub trait Store: sqlx::Database + Sized {
     fn transient(error: &dyn sqlx::error::DatabaseError) -> bool;
 
     /// Whether the open transaction can still commit what it holds: `Ok(false)` when the handler ended it
-    /// itself, an error when it is aborted (PostgreSQL then turns `COMMIT` into a silent `ROLLBACK`).
-    fn transaction_intact(conn: &mut Self::Connection) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+    /// itself, an error when it is aborted (PostgreSQL then turns `COMMIT` into a silent `ROLLBACK`). `idem_wrote`:
+    /// idem wrote in this transaction (its markers, its inbox claim), so a transaction that holds no write is not
+    /// idem's any more (the handler ended it and began another).
+    fn transaction_intact(
+        conn: &mut Self::Connection,
+        idem_wrote: bool,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
     /// Checks the transaction as [`Store::transaction_intact`] does and commits it when it is intact, in as few
     /// round trips as the database allows (PostgreSQL: one, which also opens the next transaction).
-    fn commit_intact<'c>(tx: sqlx::Transaction<'c, Self>) -> impl Future<Output = IntactCommit<'c, Self>> + Send;
+    fn commit_intact<'c>(
+        tx: sqlx::Transaction<'c, Self>,
+        idem_wrote: bool,
+    ) -> impl Future<Output = IntactCommit<'c, Self>> + Send;
     /// Records a dead letter in the open transaction; a second failure of the same event updates its row.
     fn dead_letter(
         conn: &mut Self::Connection,

@@ -173,15 +173,17 @@ impl Store for Postgres {
             .collect())
     }
 
-    async fn transaction_intact(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+    async fn transaction_intact(conn: &mut PgConnection, idem_wrote: bool) -> Result<bool, sqlx::Error> {
         // A savepoint can only be taken in an open transaction block (25P01 once user code ended it with COMMIT or
-        // ROLLBACK) that is not aborted (25P02). Unlike a check of the transaction id, it holds when the
-        // transaction wrote nothing (the natural-key mode's duplicate).
-        match sqlx::Executor::execute(conn, INTACT).await {
-            Ok(_) => Ok(true),
-            Err(error) if sql_state(&error) == Some("25P01") => Ok(false),
-            Err(error) => Err(error),
-        }
+        // ROLLBACK) that is not aborted (25P02); it holds when the transaction wrote nothing (the natural-key
+        // mode's duplicate). Where idem wrote, the transaction must also still have an id: one the handler began
+        // after ending idem's has none until it writes.
+        let rows = match sqlx::Executor::fetch_all(conn, INTACT).await {
+            Ok(rows) => rows,
+            Err(error) if sql_state(&error) == Some("25P01") => return Ok(false),
+            Err(error) => return Err(error),
+        };
+        Ok(!idem_wrote || has_transaction_id(&rows))
     }
 
     /// The check, `COMMIT` and a `BEGIN` go out as one simple query: one round trip where a check and a
@@ -190,10 +192,16 @@ impl Store for Postgres {
     /// check and never reaches `COMMIT`. sqlx still counts the transaction as open, which the trailing `BEGIN`
     /// makes true: the transaction handed back is that new, empty one (no snapshot is taken before its first
     /// statement). Dropping it queues a `ROLLBACK` that goes out with the connection's next message.
-    async fn commit_intact<'c>(mut tx: sqlx::Transaction<'c, Postgres>) -> IntactCommit<'c, Postgres> {
-        const CHECK_COMMIT_BEGIN: &str = "SAVEPOINT idem_intact; COMMIT; BEGIN";
+    async fn commit_intact<'c>(
+        mut tx: sqlx::Transaction<'c, Postgres>,
+        idem_wrote: bool,
+    ) -> IntactCommit<'c, Postgres> {
+        const CHECK_COMMIT_BEGIN: &str =
+            "SAVEPOINT idem_intact; SELECT pg_current_xact_id_if_assigned()::text; COMMIT; BEGIN";
         let conn: &mut PgConnection = &mut tx;
-        match sqlx::Executor::execute(conn, CHECK_COMMIT_BEGIN).await {
+        match sqlx::Executor::fetch_all(conn, CHECK_COMMIT_BEGIN).await {
+            // Without an id, what committed was a transaction the handler began, holding nothing of idem's.
+            Ok(rows) if idem_wrote && !has_transaction_id(&rows) => IntactCommit::Ended,
             Ok(_) => IntactCommit::Committed(Some(tx)),
             Err(error) if sql_state(&error) == Some("25P01") => IntactCommit::Ended,
             Err(error) if sql_state(&error) == Some("25P02") => {
@@ -214,8 +222,15 @@ impl Store for Postgres {
     }
 }
 
-/// Takes and releases a savepoint: fails outside a transaction block (25P01) and in an aborted one (25P02).
-const INTACT: &str = "SAVEPOINT idem_intact; RELEASE SAVEPOINT idem_intact";
+/// Takes and releases a savepoint (which fails outside a transaction block, 25P01, and in an aborted one, 25P02)
+/// and reads the transaction's id.
+const INTACT: &str =
+    "SAVEPOINT idem_intact; RELEASE SAVEPOINT idem_intact; SELECT pg_current_xact_id_if_assigned()::text";
+
+/// Whether the check's row says the transaction has an id (it wrote).
+fn has_transaction_id(rows: &[sqlx::postgres::PgRow]) -> bool {
+    rows.first().and_then(|row| row.try_get::<Option<String>, _>(0).ok()).flatten().is_some()
+}
 
 fn sql_state(error: &sqlx::Error) -> Option<&str> {
     match error {

@@ -93,13 +93,13 @@ impl Store for Sqlite {
         Ok(claims)
     }
 
-    async fn transaction_intact(_conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
+    async fn transaction_intact(_conn: &mut SqliteConnection, _idem_wrote: bool) -> Result<bool, sqlx::Error> {
         // SQLite has no aborted-transaction state: a failed statement is undone alone, and COMMIT outside a
         // transaction fails loudly.
         Ok(true)
     }
 
-    async fn commit_intact<'c>(tx: sqlx::Transaction<'c, Sqlite>) -> IntactCommit<'c, Sqlite> {
+    async fn commit_intact<'c>(tx: sqlx::Transaction<'c, Sqlite>, _idem_wrote: bool) -> IntactCommit<'c, Sqlite> {
         match tx.commit().await {
             Ok(()) => IntactCommit::Committed(None),
             Err(error) => IntactCommit::CommitFailed(error),
