@@ -5,7 +5,6 @@ pub mod commands;
 pub mod db;
 pub mod demo;
 pub mod embedded_log;
-pub mod http;
 pub mod inbox;
 pub mod outbox;
 pub mod signals;

@@ -98,8 +98,9 @@ pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
     let tables = db::tables(&args.db)?;
     let db = Db::open(&args.db.database_url, 2).await?;
     if let Some(addr) = args.metrics_addr {
-        let recorder = crate::http::install_recorder()?;
-        let bound = with_pool!(&db, pool => crate::http::serve(addr, recorder, crate::http::DatabaseProbe(pool.clone())).await?);
+        let recorder = idem::http::install_recorder()?;
+        let bound =
+            with_pool!(&db, pool => idem::http::serve(addr, recorder, idem::http::DatabaseProbe(pool.clone())).await?);
         tracing::info!(%bound, "outbox relay: serving /metrics");
     }
     let shutdown = signals.received();

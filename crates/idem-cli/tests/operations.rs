@@ -16,7 +16,8 @@ fn get(addr: &str, path: &str) -> (u16, String) {
     stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     // Sent in two segments on purpose: the server must read the whole request head.
     stream.write_all(format!("GET {path} HTTP/1.1\r\n").as_bytes()).unwrap();
-    stream.write_all(format!("Host: {addr}\r\n\r\n").as_bytes()).unwrap();
+    // One request per connection: the endpoint keeps connections alive unless asked to close.
+    stream.write_all(format!("Host: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).unwrap();
     let mut response = String::new();
     stream.read_to_string(&mut response).unwrap();
     let status = response.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);

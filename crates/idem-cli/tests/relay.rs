@@ -178,7 +178,8 @@ async fn a_relay_serves_its_metrics() {
     let _relay = relay(&url, &dir, &["--metrics-addr", &format!("127.0.0.1:{port}")]);
     let get = |path: &str| -> Option<String> {
         let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-        write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").ok()?;
+        // One request per connection: the endpoint keeps connections alive unless asked to close.
+        write!(stream, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
         let mut body = String::new();
         stream.read_to_string(&mut body).ok()?;
         Some(body)

@@ -58,6 +58,7 @@
 //! * [`outbox`]: the transactional outbox: enqueue in the caller's transaction, a [`outbox::Relay`] that delivers
 //!   committed messages in order per key through a broker or a call of yours.
 //! * [`dead_letter`]: listing and replaying dead letters. [`fault`]: crash injection for tests and the demo.
+//! * `http` (feature `http`): the operations endpoint (`/metrics`, `/healthz`, `/readyz`, `POST /resume`) on axum.
 //! * `testing` (feature `testing`): the duplicate test kit, every handler's exactly-once check in a few lines.
 //! * [`error`]: errors that say whether a retry can help. [`telemetry`]: the metric catalogue.
 //! * `kafka` (feature `kafka`): the Kafka source, the producer helper, topic admin.
@@ -77,6 +78,8 @@ pub mod fault;
 pub mod gap;
 pub mod guard;
 pub mod handler;
+#[cfg(feature = "http")]
+pub mod http;
 pub mod inbox;
 #[cfg(feature = "kafka")]
 pub mod kafka;

@@ -226,8 +226,8 @@ async fn consume_with<DB: Backend, S: idem::Source, H: Handler<DB>>(
 ) -> anyhow::Result<()> {
     let engine = Engine::new(pool, config)?.on_commit(report_commit);
     if let Some(addr) = metrics_addr {
-        let recorder = crate::http::install_recorder()?;
-        let bound = crate::http::serve(addr, recorder, engine.clone()).await?;
+        let recorder = idem::http::install_recorder()?;
+        let bound = idem::http::serve(addr, recorder, engine.clone()).await?;
         report_line(serde_json::json!({ "metrics_addr": bound.to_string() }));
     }
     engine.run(source, handler, signals.received()).await?;

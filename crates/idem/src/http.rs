@@ -1,0 +1,170 @@
+//! The operations endpoint of a consumer or relay process (feature `http`), on axum: `/metrics` (Prometheus
+//! text), `/healthz` (the process is alive), `/readyz` (200 when ready; 503 with a JSON reason when not: the database
+//! does not answer, the engine is not consuming, is draining, or its kill switch tripped) and `POST /resume` (closes a
+//! tripped kill switch at once). `HEAD` answers every `GET` route, connections are kept alive.
+//!
+//! A consumer binary gets it with one call:
+//!
+//! ```no_run
+//! # async fn example(engine: idem::Engine<sqlx::Postgres>) -> Result<(), idem::Error> {
+//! let metrics = idem::http::install_recorder()?;
+//! let bound = idem::http::serve("127.0.0.1:9464".parse().unwrap(), metrics, engine.clone()).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! or mounts [`router`] into an axum application of its own.
+
+use std::future::Future;
+use std::net::SocketAddr;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use metrics_exporter_prometheus::PrometheusHandle;
+
+use crate::engine::Engine;
+use crate::error::Error;
+use crate::store::Backend;
+
+/// What `/readyz` says: ready or not, and why not.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Readiness {
+    /// Ready to take work.
+    pub ready: bool,
+    /// Why not (`database unreachable`, `not consuming`, `draining`, `paused: …`); empty when ready.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub reason: String,
+    /// Partitions with a worker, for a consumer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partitions: Option<u64>,
+}
+
+impl Readiness {
+    fn not(reason: &str) -> Self {
+        Readiness { ready: false, reason: reason.to_owned(), partitions: None }
+    }
+}
+
+/// What the endpoint asks of the process it serves: a consumer's [`Engine`], or a relay's [`DatabaseProbe`].
+pub trait Probe: Clone + Send + Sync + 'static {
+    /// `/readyz`.
+    fn readiness(&self) -> impl Future<Output = Readiness> + Send;
+    /// `POST /resume`: `Some(was paused)` where there is a kill switch to close, `None` where there is none.
+    fn resume(&self) -> Option<bool>;
+}
+
+impl<DB: Backend> Probe for Engine<DB> {
+    async fn readiness(&self) -> Readiness {
+        let health = self.health();
+        if !self.database_reachable().await {
+            return Readiness::not("database unreachable");
+        }
+        if !health.running {
+            return Readiness::not("not consuming");
+        }
+        if health.draining {
+            return Readiness::not("draining");
+        }
+        if health.paused {
+            return Readiness::not(
+                "paused: the kill switch tripped (see the consumer's log); POST /resume to try again now",
+            );
+        }
+        Readiness { ready: true, reason: String::new(), partitions: Some(health.partitions) }
+    }
+
+    fn resume(&self) -> Option<bool> {
+        let paused = self.health().paused;
+        Engine::resume(self);
+        Some(paused)
+    }
+}
+
+/// A probe that is ready while its database answers (the outbox relay's).
+pub struct DatabaseProbe<DB: sqlx::Database>(pub sqlx::Pool<DB>);
+
+impl<DB: sqlx::Database> Clone for DatabaseProbe<DB> {
+    fn clone(&self) -> Self {
+        DatabaseProbe(self.0.clone())
+    }
+}
+
+impl<DB: sqlx::Database> Probe for DatabaseProbe<DB> {
+    async fn readiness(&self) -> Readiness {
+        let reachable = match self.0.acquire().await {
+            Ok(mut conn) => sqlx::Connection::ping(&mut *conn).await.is_ok(),
+            Err(_) => false,
+        };
+        if reachable {
+            Readiness { ready: true, reason: String::new(), partitions: None }
+        } else {
+            Readiness::not("database unreachable")
+        }
+    }
+
+    fn resume(&self) -> Option<bool> {
+        None
+    }
+}
+
+/// Installs the Prometheus recorder for the `metrics` facade idem writes to, with buckets for the handling time,
+/// and returns the handle `/metrics` renders.
+pub fn install_recorder() -> Result<PrometheusHandle, Error> {
+    let buckets = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0];
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Full("event_handle_duration_seconds".into()),
+            &buckets,
+        )
+        .and_then(|builder| builder.install_recorder())
+        .map_err(|e| Error::Config(format!("metrics recorder: {e}")))
+}
+
+/// The endpoint's routes, to serve ([`serve`]) or to mount in an axum application of one's own.
+pub fn router<P: Probe>(metrics: PrometheusHandle, probe: P) -> Router {
+    Router::new()
+        .route("/metrics", get(move || async move { prometheus_text(metrics.render()) }))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz::<P>))
+        .route("/resume", post(resume::<P>))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "try /metrics, /healthz, /readyz or POST /resume\n") })
+        .with_state(probe)
+}
+
+/// Binds `addr` and serves [`router`] in the background for as long as the process runs; returns the bound
+/// address (port 0 picks one).
+pub async fn serve<P: Probe>(addr: SocketAddr, metrics: PrometheusHandle, probe: P) -> Result<SocketAddr, Error> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| Error::Config(format!("metrics address {addr}: {e}: choose a free address or port 0")))?;
+    let bound = listener.local_addr().map_err(|e| Error::Config(format!("metrics address {addr}: {e}")))?;
+    tracing::info!(%bound, "serving /metrics, /healthz and /readyz");
+    let app = router(metrics, probe);
+    tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, app).await {
+            tracing::error!(%error, "the operations endpoint stopped");
+        }
+    });
+    Ok(bound)
+}
+
+fn prometheus_text(body: String) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
+}
+
+async fn readyz<P: Probe>(State(probe): State<P>) -> Response {
+    let readiness = probe.readiness().await;
+    let status = if readiness.ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let body = serde_json::to_string(&readiness).unwrap_or_default() + "\n";
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+async fn resume<P: Probe>(State(probe): State<P>) -> Response {
+    match probe.resume() {
+        Some(true) => (StatusCode::OK, "resumed\n").into_response(),
+        Some(false) => (StatusCode::OK, "not paused\n").into_response(),
+        None => (StatusCode::NOT_FOUND, "nothing to resume here\n").into_response(),
+    }
+}
