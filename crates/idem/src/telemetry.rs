@@ -70,6 +70,11 @@ pub fn describe() {
         "Open sequence instances whose retention ends within housekeeping.expiring_soon"
     );
     describe_gauge!("inbox_instances_expired", Unit::Count, "Sequence instances past their retention, not yet deleted");
+    describe_gauge!(
+        "nats_stream_max_age_seconds",
+        Unit::Seconds,
+        "A consumed JetStream stream's max_age, read at start-up"
+    );
     describe_counter!("nats_redelivered_total", Unit::Count, "JetStream messages delivered more than once, per stream");
     describe_counter!("rabbitmq_redelivered_total", Unit::Count, "RabbitMQ deliveries flagged redelivered, per queue");
     describe_gauge!("outbox_pending_messages", Unit::Count, "Messages waiting in the outbox, as a relay last counted");
