@@ -6,6 +6,7 @@ pub mod db;
 pub mod demo;
 pub mod embedded_log;
 pub mod inbox;
+pub mod migrations;
 pub mod outbox;
 pub mod signals;
 

@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use idem_cli::{DbArgs, commands, demo, embedded_log, inbox, outbox};
+use idem_cli::{DbArgs, commands, demo, embedded_log, inbox, migrations, outbox};
 
 /// Exactly-once effects over at-least-once message delivery.
 #[derive(Parser)]
@@ -28,7 +28,7 @@ enum Command {
     Migrate {
         /// `info`: list every migration with its state (applied, pending, changed, unknown) and checksums.
         #[arg(value_enum)]
-        action: Option<commands::MigrateAction>,
+        action: Option<migrations::MigrateAction>,
         #[command(flatten)]
         db: DbArgs,
         /// Print the migrations as one SQL script (with their ledger rows) for Flyway, Liquibase or sqlx-cli,
@@ -219,7 +219,7 @@ fn main() -> ExitCode {
         async {
             match cli.command {
                 Command::Migrate { action, db, print_sql, json } => {
-                    commands::migrate(&db, action, print_sql, json).await
+                    migrations::migrate(&db, action, print_sql, json).await
                 }
                 Command::Demo(args) => demo::run(args).await,
                 Command::DemoWorker(args) => demo::worker(args).await,
