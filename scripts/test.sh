@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs idem's whole test suite: makes sure the services the tests use are up, then `cargo test`.
 # Kafka: the cluster at $IDEM_KAFKA_BROKERS, or scripts/kafka.sh starts a Kafka-compatible broker on 127.0.0.1:9092.
+# SQS: the server at $IDEM_SQS_ENDPOINT (`aws` for the standard AWS configuration's), or scripts/sqs.sh starts an
+# SQS-compatible server on 127.0.0.1:9324.
 # NATS JetStream: the server at $IDEM_NATS_URL, or 127.0.0.1:4222 (started if it is stopped); RabbitMQ: the server
 # at $IDEM_RABBITMQ_URL, or 127.0.0.1:5672 (started if it is stopped).
 # PostgreSQL must be installed (127.0.0.1:5432, trust auth for user postgres); it is started if it is stopped.
@@ -70,6 +72,11 @@ ensure_rabbitmq
 if [ -z "${IDEM_KAFKA_BROKERS:-}" ]; then
   scripts/kafka.sh up
 fi
+# SQS: the server at $IDEM_SQS_ENDPOINT, or the project's local SQS-compatible server on 127.0.0.1:9324
+# (scripts/sqs.sh installs it once outside the checkout).
+if [ -z "${IDEM_SQS_ENDPOINT:-}" ]; then
+  scripts/sqs.sh up
+fi
 # The property tests of the parsers of untrusted bytes run 1,024 cases each (PROPTEST_CASES raises it).
 PROPTEST_CASES="${PROPTEST_CASES:-1024}" cargo test --workspace --all-targets "$@"
 cargo test --workspace --doc
@@ -79,6 +86,15 @@ cargo run --quiet -p idem --example credit
 cargo run --quiet -p idem --example orders_guarded
 IDEM_DATABASE_URL="${IDEM_EXAMPLE_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}" \
   cargo run --quiet -p idem --example order_sequence
+# The configuration examples (idem run, no Rust): the ledger exact, the outbox emits delivered by the relay.
+bash examples/config/run.sh target/debug/idem
+# The systemd unit of deploy/, where systemd-analyze is installed (pointed at this build's binary).
+if command -v systemd-analyze >/dev/null 2>&1; then
+  unit_dir="$(mktemp -d)"
+  sed "s|/usr/local/bin/idem|$PWD/target/debug/idem|g" deploy/systemd/idem@.service > "$unit_dir/idem@ledger.service"
+  systemd-analyze verify "$unit_dir/idem@ledger.service"
+  rm -rf "$unit_dir"
+fi
 # The benchmark's small version: every leg runs and every ledger total is right (speeds are not checked).
 # The Kafka leg is left to the Kafka tests above: the loopback broker delivers a few hundred messages a second.
 venv="${IDEM_BENCH_VENV:-$HOME/.cache/idem-tools/bench-venv}"

@@ -108,34 +108,43 @@ pub enum BrokerTarget {
     Nats(String),
     /// A RabbitMQ server.
     Rabbitmq(String),
+    /// Amazon SQS: an endpoint, or `aws`.
+    Sqs(String),
 }
 
 /// The command-line flags that name a [`BrokerTarget`]: exactly one of them.
 #[derive(clap::Args, Debug)]
 pub struct BrokerFlags {
     /// The embedded log (its directory).
-    #[arg(long, required_unless_present_any = ["kafka", "nats", "rabbitmq"], conflicts_with_all = ["kafka", "nats", "rabbitmq"])]
+    #[arg(long, required_unless_present_any = ["kafka", "nats", "rabbitmq", "sqs"], conflicts_with_all = ["kafka", "nats", "rabbitmq", "sqs"])]
     pub log_dir: Option<PathBuf>,
     /// Kafka brokers (host:port).
-    #[arg(long, conflicts_with_all = ["nats", "rabbitmq"])]
+    #[arg(long, conflicts_with_all = ["nats", "rabbitmq", "sqs"])]
     pub kafka: Option<String>,
     /// A NATS JetStream server (nats://host:port).
-    #[arg(long, conflicts_with = "rabbitmq")]
+    #[arg(long, conflicts_with_all = ["rabbitmq", "sqs"])]
     pub nats: Option<String>,
     /// A RabbitMQ server (amqp://user:password@host:port/vhost).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "sqs")]
     pub rabbitmq: Option<String>,
+    /// Amazon SQS: an SQS-compatible endpoint (http://host:port) or `aws` (the standard AWS configuration's);
+    /// a message goes back to the queue it came from, in its message group.
+    #[arg(long)]
+    pub sqs: Option<String>,
 }
 
 impl BrokerFlags {
     /// The broker the flags name.
     pub fn target(self) -> anyhow::Result<BrokerTarget> {
+        if let Some(endpoint) = self.sqs {
+            return Ok(BrokerTarget::Sqs(endpoint));
+        }
         Ok(match (self.log_dir, self.kafka, self.nats, self.rabbitmq) {
             (_, Some(brokers), _, _) => BrokerTarget::Kafka(brokers),
             (_, None, Some(url), _) => BrokerTarget::Nats(url),
             (_, None, None, Some(url)) => BrokerTarget::Rabbitmq(url),
             (Some(dir), None, None, None) => BrokerTarget::Log(dir),
-            (None, None, None, None) => bail!("give --log-dir, --kafka, --nats or --rabbitmq"),
+            (None, None, None, None) => bail!("give --log-dir, --kafka, --nats, --rabbitmq or --sqs"),
         })
     }
 }
@@ -177,6 +186,9 @@ pub async fn replay_dead_letters(
         }
         BrokerTarget::Nats(url) => replay_nats(&db, &tables, url, &letters).await?,
         BrokerTarget::Rabbitmq(url) => replay_rabbitmq(&db, &tables, url, &letters).await?,
+        BrokerTarget::Sqs(endpoint) => {
+            replay_through(&db, &tables, &crate::sqs::producer(endpoint).await?.0, &letters).await?
+        }
     };
     println!("{replayed} dead letter(s) replayed");
     Ok(ExitCode::SUCCESS)
@@ -188,7 +200,7 @@ async fn replay_nats(db: &Db, tables: &Tables, url: &str, letters: &[DeadLetter]
 }
 
 #[cfg(not(feature = "nats"))]
-async fn replay_nats(_: &Db, _: &Tables, _: &str, _: &[DeadLetter]) -> anyhow::Result<u64> {
+async fn replay_nats(_: &Db, _: &Tables, _: &str, _: &[DeadLetter]) -> anyhow::Result<usize> {
     bail!("--nats: this idem is built without the `nats` feature")
 }
 

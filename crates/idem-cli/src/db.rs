@@ -17,26 +17,30 @@ impl Db {
     /// Opens the existing database at `url` with a pool of `connections`; a SQLite file that does not exist is an
     /// error, never created.
     pub async fn open(url: &str, connections: u32) -> anyhow::Result<Db> {
-        Self::connect(url, connections, false).await
+        Self::connect(url, connections, false, "--database-url").await
+    }
+
+    /// [`Db::open`], the URL named as `what` says in messages (a configuration file's key).
+    pub async fn open_as(url: &str, connections: u32, what: &str) -> anyhow::Result<Db> {
+        Self::connect(url, connections, false, what).await
     }
 
     /// Opens `url`, creating a SQLite file that does not exist yet (`idem migrate`, the demo).
     pub async fn create(url: &str, connections: u32) -> anyhow::Result<Db> {
-        Self::connect(url, connections, true).await
+        Self::connect(url, connections, true, "--database-url").await
     }
 
-    async fn connect(url: &str, connections: u32, create: bool) -> anyhow::Result<Db> {
+    async fn connect(url: &str, connections: u32, create: bool, what: &str) -> anyhow::Result<Db> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let pool = idem::postgres::connect(url, connections)
-                .await
-                .with_context(|| format!("--database-url {}", redact(url)))?;
+            let pool =
+                idem::postgres::connect(url, connections).await.with_context(|| format!("{what} {}", redact(url)))?;
             Ok(Db::Postgres(pool))
         } else if url.starts_with("sqlite:") {
             let pool =
                 if create { idem::sqlite::connect(url).await } else { idem::sqlite::connect_existing(url).await };
-            Ok(Db::Sqlite(pool.with_context(|| format!("--database-url {url}"))?))
+            Ok(Db::Sqlite(pool.with_context(|| format!("{what} {url}"))?))
         } else {
-            bail!("--database-url `{}` is neither postgres://… nor sqlite://…", redact(url))
+            bail!("{what} `{}` is neither postgres://… nor sqlite://…", redact(url))
         }
     }
 }

@@ -6,9 +6,12 @@ pub mod db;
 pub mod demo;
 pub mod embedded_log;
 pub mod inbox;
+pub mod logging;
 pub mod migrations;
 pub mod outbox;
+pub mod service;
 pub mod signals;
+pub mod sqs;
 
 use std::future::Future;
 use std::process::ExitCode;

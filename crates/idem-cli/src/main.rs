@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use idem_cli::{DbArgs, commands, demo, embedded_log, inbox, migrations, outbox};
+use idem_cli::{DbArgs, commands, demo, embedded_log, inbox, migrations, outbox, service};
 
 /// Exactly-once effects over at-least-once message delivery.
 #[derive(Parser)]
@@ -40,6 +40,11 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Run the consumers declared in a configuration file (effects as SQL, no code) until SIGINT or SIGTERM.
+    Run(service::RunArgs),
+    /// Check a configuration file without consuming: keys, parameters, and (against the database) every
+    /// statement and guard; each problem with its line and the fix.
+    Check(service::CheckArgs),
     /// Run the payments-ledger demo: produce events with duplicates, consume them while killing the consumer,
     /// and check the ledger to the cent.
     Demo(demo::DemoArgs),
@@ -209,18 +214,21 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let logs = tracing_subscriber::fmt().with_max_level(level).with_writer(std::io::stderr);
-    if cli.log_format == "json" {
-        logs.json().flatten_event(true).init();
-    } else {
-        logs.init();
-    }
-    idem_cli::run_to_exit(
+    let tracing = match idem_cli::logging::init(level, cli.log_format == "json") {
+        Ok(tracing) => tracing,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let code = idem_cli::run_to_exit(
         async {
             match cli.command {
                 Command::Migrate { action, db, print_sql, json } => {
                     migrations::migrate(&db, action, print_sql, json).await
                 }
+                Command::Run(args) => service::run(args).await,
+                Command::Check(args) => service::check(args).await,
                 Command::Demo(args) => demo::run(args).await,
                 Command::DemoWorker(args) => demo::worker(args).await,
                 Command::DemoPrepare { database_url } => demo::prepare_only(&database_url).await,
@@ -255,5 +263,7 @@ fn main() -> ExitCode {
             }
         },
         hint,
-    )
+    );
+    tracing.shutdown();
+    code
 }

@@ -7,9 +7,9 @@ use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use idem::Tables;
 use idem::embedded::EmbeddedLog;
-use idem::outbox::{Delivery, OutboxStore, Publish, Relay, RelayConfig};
+use idem::outbox::{Delivery, HttpDelivery, HttpOr, OutboxStore, Publish, Relay, RelayConfig};
 
-use crate::commands::{BrokerFlags, BrokerTarget};
+use crate::commands::BrokerTarget;
 use crate::db::{self, Db};
 use crate::{DbArgs, with_pool};
 
@@ -19,9 +19,10 @@ pub struct RelayArgs {
     #[command(flatten)]
     db: DbArgs,
     /// Where to deliver: each message to the topic, subject or queue its destination names (an embedded log's
-    /// topic is created, with one partition, when missing).
+    /// topic is created, with one partition, when missing). Destinations that are URLs (`http://…`, `https://…`)
+    /// are HTTP requests, with or without a broker.
     #[command(flatten)]
-    to: BrokerFlags,
+    to: RelayTo,
     /// The relay's name (its dead letters' consumer group is `outbox:<name>`).
     #[arg(long, default_value = "relay")]
     name: String,
@@ -83,6 +84,46 @@ pub enum OutboxCommand {
     },
 }
 
+/// The broker of `idem relay`: at most one; none when every destination is a URL.
+#[derive(Args, Debug)]
+pub struct RelayTo {
+    /// The embedded log (its directory).
+    #[arg(long, conflicts_with_all = ["kafka", "nats", "rabbitmq", "sqs"])]
+    log_dir: Option<std::path::PathBuf>,
+    /// Kafka brokers (host:port).
+    #[arg(long, conflicts_with_all = ["nats", "rabbitmq", "sqs"])]
+    kafka: Option<String>,
+    /// A NATS JetStream server (nats://host:port).
+    #[arg(long, conflicts_with_all = ["rabbitmq", "sqs"])]
+    nats: Option<String>,
+    /// A RabbitMQ server (amqp://user:password@host:port/vhost).
+    #[arg(long, conflicts_with = "sqs")]
+    rabbitmq: Option<String>,
+    /// Amazon SQS: an SQS-compatible endpoint (http://host:port) or `aws`; a destination is a queue's name or
+    /// URL, and a message's key its FIFO message group.
+    #[arg(long)]
+    sqs: Option<String>,
+}
+
+/// What a relay without a broker does with a destination that is not a URL: it stays in the outbox, its error
+/// naming the fix.
+struct NoBroker;
+
+impl Delivery for NoBroker {
+    async fn deliver(&self, messages: &[idem::outbox::OutboxMessage]) -> Vec<idem::outbox::Delivered> {
+        messages
+            .iter()
+            .map(|m| {
+                idem::outbox::Delivered::Failed(idem::outbox::DeliveryError::permanent(format!(
+                    "destination `{}` is no URL and this relay has no broker: run it with --log-dir, --kafka, \
+                     --nats, --rabbitmq or --sqs",
+                    m.destination
+                )))
+            })
+            .collect()
+    }
+}
+
 /// Runs `idem relay` until SIGINT/SIGTERM (or, with `--until-empty`, until the outbox is empty).
 pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
     let signals = crate::signals::Signals::install()?;
@@ -104,24 +145,38 @@ pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
         tracing::info!(%bound, "outbox relay: serving /metrics");
     }
     let shutdown = signals.received();
-    let stats = match args.to.target()? {
-        BrokerTarget::Kafka(brokers) => {
-            let producer = kafka_producer(&brokers)?;
+    let http = HttpDelivery::default();
+    let target = match args.to {
+        RelayTo { kafka: Some(brokers), .. } => Some(BrokerTarget::Kafka(brokers)),
+        RelayTo { nats: Some(url), .. } => Some(BrokerTarget::Nats(url)),
+        RelayTo { rabbitmq: Some(url), .. } => Some(BrokerTarget::Rabbitmq(url)),
+        RelayTo { sqs: Some(endpoint), .. } => Some(BrokerTarget::Sqs(endpoint)),
+        RelayTo { log_dir: Some(dir), .. } => Some(BrokerTarget::Log(dir)),
+        _ => None,
+    };
+    let stats = match target {
+        Some(BrokerTarget::Kafka(brokers)) => {
+            let producer = HttpOr(http, kafka_producer(&brokers)?);
             with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
-        BrokerTarget::Nats(url) => {
-            let producer = nats_producer(&url).await?;
+        Some(BrokerTarget::Nats(url)) => {
+            let producer = HttpOr(http, nats_producer(&url).await?);
             with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
-        BrokerTarget::Rabbitmq(url) => {
-            let producer = rabbitmq_producer(&url).await?;
+        Some(BrokerTarget::Rabbitmq(url)) => {
+            let producer = HttpOr(http, rabbitmq_producer(&url).await?);
             with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
-        BrokerTarget::Log(dir) => {
+        Some(BrokerTarget::Sqs(endpoint)) => {
+            let producer = HttpOr(http, crate::sqs::producer(&endpoint).await?);
+            with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
+        }
+        Some(BrokerTarget::Log(dir)) => {
             let log = EmbeddedLog::open(&dir).with_context(|| format!("--log-dir {}", dir.display()))?;
-            let producer = AutoTopics { producer: log.producer(), log };
+            let producer = HttpOr(http, AutoTopics { producer: log.producer(), log });
             with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
+        None => with_pool!(&db, pool => run(pool, &tables, config, HttpOr(http, NoBroker), shutdown).await?),
     };
     if args.json {
         println!("{}", serde_json::to_string(&stats)?);

@@ -193,21 +193,29 @@ impl Error {
 
 /// `url` without its password (`scheme://user:***@host…`), for logs and errors that name a server.
 pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let credentials = &url[scheme + 3..at];
-            match credentials.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
+    let Some(at) = url.rfind('@') else { return url.to_owned() };
+    // The credentials start after `scheme://`, or at the start when the URL is malformed (`postgres:/u:pw@h`).
+    let start = url.find("://").filter(|&s| s < at).map_or(0, |s| s + 3);
+    let head = &url[start..at];
+    let colon = head.char_indices().find(|&(i, c)| c == ':' && !head[i + 1..].starts_with('/')).map(|(i, _)| start + i);
+    match colon {
+        Some(colon) => format!("{}:***{}", &url[..colon], &url[at..]),
+        None => url.to_owned(),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_password_is_hidden_even_in_a_malformed_url() {
+        assert_eq!(redact_url("postgres://app:s3cr:et@db:5432/x"), "postgres://app:***@db:5432/x");
+        assert_eq!(redact_url("postgres:/app:s3cret@db/x"), "postgres:/app:***@db/x");
+        assert_eq!(redact_url("app:s3cret@db/x"), "app:***@db/x");
+        assert_eq!(redact_url("postgres://app@db/x"), "postgres://app@db/x");
+        assert_eq!(redact_url("sqlite:///tmp/a@b.db"), "sqlite:///tmp/a@b.db");
+    }
 
     #[test]
     fn io_errors_are_retryable() {

@@ -82,6 +82,30 @@ impl<DB: Backend> Probe for Engine<DB> {
     }
 }
 
+/// Several consumers of one process (`idem run` with several `[[consumer]]`): ready when every one is, the
+/// reasons of those that are not joined; `POST /resume` resumes them all.
+impl<P: Probe> Probe for Vec<P> {
+    async fn readiness(&self) -> Readiness {
+        let mut partitions = 0;
+        let mut reasons = Vec::new();
+        for probe in self {
+            let r = probe.readiness().await;
+            partitions += r.partitions.unwrap_or(0);
+            if !r.ready {
+                reasons.push(r.reason);
+            }
+        }
+        match reasons.is_empty() {
+            true => Readiness { ready: true, reason: String::new(), partitions: Some(partitions) },
+            false => Readiness { ready: false, reason: reasons.join("; "), partitions: None },
+        }
+    }
+
+    fn resume(&self) -> Option<bool> {
+        self.iter().filter_map(Probe::resume).reduce(|a, b| a || b)
+    }
+}
+
 /// A probe that is ready while its database answers (the outbox relay's).
 pub struct DatabaseProbe<DB: sqlx::Database>(pub sqlx::Pool<DB>);
 

@@ -45,7 +45,7 @@
 //! * [`store`]: the database seam by capability ([`Store`], the hot path; [`Operations`], the tooling; the
 //!   partitioned layout in `store::partitions`, PostgreSQL only) with its PostgreSQL and SQLite modules.
 //! * [`source`]: the broker seam ([`Source`], [`Publisher`]) and its contract; [`embedded`]: the embedded log.
-//!   Brokers, each behind its feature: `kafka`, `nats` (NATS JetStream), `rabbitmq`.
+//!   Brokers, each behind its feature: `kafka`, `nats` (NATS JetStream), `rabbitmq`, `sqs` (Amazon SQS).
 //! * [`retention`]: the retention guard, markers against what a broker keeps, in each broker's words.
 //! * [`inbox`]: the Sequential Inbox (PostgreSQL): per-context ordering with buffering and a concurrent-safe claim.
 //! * [`gap`]: lost-event detection from producer sequence numbers.
@@ -58,6 +58,9 @@
 //! * [`outbox`]: the transactional outbox: enqueue in the caller's transaction, a [`outbox::Relay`] that delivers
 //!   committed messages in order per key through a broker or a call of yours.
 //! * [`dead_letter`]: listing and replaying dead letters. [`fault`]: crash injection for tests and the demo.
+//! * `otel` (feature `otel`): OpenTelemetry traces, a span per message and per batch linked across brokers by the
+//!   W3C trace context headers (extracted from each message, injected by idem's producers and the outbox), OTLP
+//!   export from the `OTEL_*` environment.
 //! * `http` (feature `http`): the operations endpoint (`/metrics`, `/healthz`, `/readyz`, `POST /resume`) on axum.
 //! * `testing` (feature `testing`): the duplicate test kit, every handler's exactly-once check in a few lines.
 //! * [`error`]: errors that say whether a retry can help. [`telemetry`]: the metric catalogue.
@@ -66,6 +69,9 @@
 //!   `Nats-Msg-Id`, the AckWait and acknowledgement-policy guards.
 //! * `rabbitmq` (feature `rabbitmq`): the RabbitMQ source (manual acknowledgement, a queue per partition) and the
 //!   producer with publisher confirms.
+//! * `sqs` (feature `sqs`): the Amazon SQS source (standard and FIFO queues, deleted after commit, visibility
+//!   kept while in hand), the producer with `MessageDeduplicationId` and `MessageGroupId`, the visibility-timeout
+//!   and retention guards.
 #![warn(missing_docs)]
 
 pub mod config;
@@ -88,12 +94,17 @@ pub mod kill_switch;
 pub mod message;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "otel")]
+pub mod otel;
 pub mod outbox;
+mod propagation;
 pub mod prune;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
 pub mod retention;
 pub mod source;
+#[cfg(feature = "sqs")]
+pub mod sqs;
 pub mod store;
 pub mod telemetry;
 #[cfg(feature = "testing")]

@@ -54,7 +54,8 @@ pub struct Message {
     pub topic: String,
     /// The partition within the topic; sources without partitions use 0.
     pub partition: i32,
-    /// The position of the message within its partition; strictly increasing per partition.
+    /// The position of the message within its partition; strictly increasing per partition. A broker without
+    /// positions (SQS) gives a number that identifies the message instead, the same on each of its deliveries.
     pub offset: i64,
     /// The message key, if the producer set one.
     pub key: Option<Vec<u8>>,
@@ -124,7 +125,21 @@ pub struct Event {
     pub message: Message,
     /// What the handler made of it (see [`Handled`]); reset before each attempt.
     handled: HandledCell,
+    /// Its span while the engine handles it.
+    span: SpanCell,
 }
+
+/// An event's span; not part of its equality.
+#[derive(Clone, Debug)]
+struct SpanCell(tracing::Span);
+
+impl PartialEq for SpanCell {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for SpanCell {}
 
 /// What a handler made of an event that committed, when it was not simply applied. The guards
 /// ([`crate::guard`]) set it; a handler in the natural-key mode ([`crate::Dedup::NaturalKey`]) sets
@@ -190,7 +205,19 @@ impl fmt::Debug for HandledCell {
 impl Event {
     /// The event of `message` under the idempotency key `id`.
     pub fn new(id: impl Into<String>, message: Message) -> Self {
-        Event { id: id.into(), message, handled: HandledCell::default() }
+        Event { id: id.into(), message, handled: HandledCell::default(), span: SpanCell(tracing::Span::none()) }
+    }
+
+    /// The event's span while the engine handles it (`process <topic>`, a child of the producer's trace context
+    /// when the message carries one); the handler runs inside it. A disabled span outside the engine.
+    pub fn span(&self) -> &tracing::Span {
+        &self.span.0
+    }
+
+    /// The event with `span` as its span.
+    pub(crate) fn with_span(mut self, span: tracing::Span) -> Self {
+        self.span = SpanCell(span);
+        self
     }
 
     /// Records what the handler made of this event (see [`Handled`]). The last call of an attempt counts.

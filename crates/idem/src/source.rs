@@ -130,7 +130,8 @@ pub enum Received {
 /// A source of messages: the consumer side of a broker.
 ///
 /// # Contract
-/// * **Order.** Messages of one partition are yielded in offset order. Different partitions may interleave.
+/// * **Order.** Messages of one partition are yielded in offset order (on SQS, which has no offsets, in the order
+///   the queue delivers them). Different partitions may interleave.
 /// * **Acknowledgement after commit.** The engine calls [`Source::ack`] for a partition only after the database
 ///   transactions holding the messages' markers have committed, with an [`Acknowledgement`] of exactly those
 ///   messages, in order. Acknowledgements of one partition arrive in delivery order. Two kinds of broker fit:
@@ -146,6 +147,9 @@ pub enum Received {
 /// * **End.** `Ok(None)` means the source is finished (a bounded source that reached its end, or a shutdown);
 ///   the engine drains and returns.
 pub trait Source: Send + Sync + 'static {
+    /// The broker's name in traces (`messaging.system`): `kafka`, `rabbitmq`, `nats`, `idem` for the embedded log.
+    const SYSTEM: &'static str = "idem";
+
     /// The next message or revocation; waits until there is one.
     fn recv(&self) -> impl Future<Output = Result<Option<Received>, SourceError>> + Send;
 

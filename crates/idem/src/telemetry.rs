@@ -77,6 +77,17 @@ pub fn describe() {
     );
     describe_counter!("nats_redelivered_total", Unit::Count, "JetStream messages delivered more than once, per stream");
     describe_counter!("rabbitmq_redelivered_total", Unit::Count, "RabbitMQ deliveries flagged redelivered, per queue");
+    describe_gauge!(
+        "sqs_queue_retention_seconds",
+        Unit::Seconds,
+        "A consumed SQS queue's MessageRetentionPeriod, read at start-up"
+    );
+    describe_counter!("sqs_redelivered_total", Unit::Count, "SQS messages received more than once, per queue");
+    describe_counter!(
+        "sqs_visibility_extended_total",
+        Unit::Count,
+        "SQS messages in hand whose visibility timeout was extended while their batch ran"
+    );
     describe_gauge!("outbox_pending_messages", Unit::Count, "Messages waiting in the outbox, as a relay last counted");
     describe_gauge!(
         "outbox_oldest_pending_age_seconds",

@@ -1,7 +1,7 @@
 //! RabbitMQ, against a real server (`IDEM_RABBITMQ_URL`, default amqp://guest:guest@127.0.0.1:5672/%2f): clear
 //! errors at start-up for wrong credentials, an unreachable server and a missing queue; the producer's confirms;
 //! dead letters handed to the queue's dead-letter exchange; a quorum queue's last delivery kept as a dead letter;
-//! the outbox relayed to a queue.
+//! the outbox relayed to a queue; keyless dead letters of two connections; the `broker-id` key refused.
 #![cfg(feature = "rabbitmq")]
 
 mod common;
@@ -53,6 +53,41 @@ async fn a_message_comes_with_its_handle_and_is_gone_once_acknowledged() {
     source.ack(&Acknowledgement::of(std::slice::from_ref(&message)).unwrap()).await.unwrap();
     assert!(source.recv().await.unwrap().is_none(), "acknowledged: the queue is empty");
     drop(source);
+    delete_queue(&url(), &queue).await.unwrap();
+}
+
+/// Delivery tags start from 1 on each channel: two keyless poison messages, each the first delivery of its own
+/// connection, are two dead letters, not one overwriting the other; and `broker-id` is refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyless_dead_letters_of_two_connections_keep_a_row_each_and_broker_id_is_refused() {
+    let db = common::pg().await;
+    common::setup(&db.pool).await;
+    let queue = unique("keyless");
+    create_queue(&url(), &queue, false).await.unwrap();
+    let producer = RabbitProducer::connect(&url()).await.unwrap();
+    let rabbit = RabbitConfig { stop_at_end: true, ..RabbitConfig::new(url(), &[queue.as_str()]) };
+    for body in [r#"{"amount":1,"first":true}"#, r#"{"amount":2,"second":true}"#] {
+        producer.send(&queue, body.as_bytes(), &[]).await.unwrap();
+        let engine = idem::Engine::new(db.pool.clone(), config(10)).unwrap();
+        let source = RabbitSource::connect(&rabbit, engine.config()).await.unwrap();
+        let stats = engine.run(source, common::Ledger::default(), std::future::pending::<()>()).await.unwrap();
+        assert_eq!(stats.dead_lettered, 1);
+    }
+    let rows: Vec<(Option<String>, Vec<u8>, i64)> =
+        sqlx::query_as(r#"SELECT event_id, payload, "offset" FROM dead_letters ORDER BY id"#)
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(rows.len(), 2, "one row each: {rows:?}");
+    assert!(rows.iter().all(|(id, _, _)| id.is_none()));
+    assert!(
+        String::from_utf8_lossy(&rows[0].1).contains("first") && String::from_utf8_lossy(&rows[1].1).contains("second")
+    );
+    assert_ne!(rows[0].2, rows[1].2);
+
+    let by_tag = idem::Config::new("by-tag", idem::KeyExtractor::BrokerId);
+    let err = RabbitSource::connect(&rabbit, &by_tag).await.err().expect("refused").to_string();
+    assert!(err.contains("broker-id key is refused") && err.contains("header:rabbitmq-message-id"), "{err}");
     delete_queue(&url(), &queue).await.unwrap();
 }
 

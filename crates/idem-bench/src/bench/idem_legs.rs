@@ -78,7 +78,7 @@ async fn credit_all(tx: &mut PgConnection, accounts: &[i64], amounts: &[i64]) ->
 }
 
 /// Preloaded messages handed out in order; acknowledgements are not needed here.
-struct MemorySource(Mutex<VecDeque<Message>>);
+pub(super) struct MemorySource(Mutex<VecDeque<Message>>);
 
 impl Source for MemorySource {
     async fn recv(&self) -> Result<Option<Received>, SourceError> {
@@ -138,7 +138,7 @@ pub(super) async fn idem_leg_with<B: BatchHandler<sqlx::Postgres>>(
 
 /// Fresh tables, an engine on a pool of its own (returned too, to close), and the workload as a source over
 /// `partitions`.
-async fn engine_over(
+pub(super) async fn engine_over(
     pool: &PgPool,
     args: &BenchArgs,
     work: &Workload,
@@ -153,7 +153,7 @@ async fn engine_over(
 }
 
 /// Closes the engine's pool, checks that every event was handled and the ledger, and returns the rate.
-async fn finished(
+pub(super) async fn finished(
     pool: &PgPool,
     engine_pool: &PgPool,
     work: &Workload,

@@ -23,6 +23,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 use idem_cli::demo::Rng;
 
 mod brokers;
+mod configured;
 mod idem_legs;
 mod kafka;
 mod outbox;
@@ -236,6 +237,15 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
             legs.push(Leg::new(name, runs));
         }
     }
+    let name = "idem configured per-event (idem run), 1 partition(s)".to_owned();
+    if wanted(&name) {
+        progress(&name);
+        let mut runs = Vec::new();
+        for _ in 0..args.runs {
+            runs.push(configured::configured_leg(&pool, &args, &work, 1, 1, false).await?);
+        }
+        legs.push(Leg::new(name, runs));
+    }
     let name = "idem Sequential Inbox, 4 partition(s), released on arrival".to_owned();
     if wanted(&name) {
         progress(&name);
@@ -256,6 +266,15 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
                 }
                 legs.push(Leg::new(name, runs));
             }
+        }
+        let name = format!("idem configured bulk (idem run), batched {batch}");
+        if wanted(&name) {
+            progress(&name);
+            let mut runs = Vec::new();
+            for _ in 0..args.runs {
+                runs.push(configured::configured_leg(&pool, &args, &work, batch, 1, true).await?);
+            }
+            legs.push(Leg::new(name, runs));
         }
         let name = format!("batched SQL limit {batch}");
         if wanted(&name) {

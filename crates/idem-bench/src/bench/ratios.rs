@@ -23,12 +23,22 @@ pub(super) fn ratios(legs: &[Leg]) -> Vec<(String, f64)> {
         median("idem Sequential Inbox, 4 partition(s), released on arrival"),
         median("idem per-event, 4 partition(s)"),
     );
+    ratio(
+        "idem configured per-event ÷ idem per-event (Rust handler), 1".into(),
+        median("idem configured per-event (idem run), 1 partition(s)"),
+        median("idem per-event, 1 partition(s)"),
+    );
     let reference = median("reference handler (Python, psycopg 3)");
     for batch in [100, 1_000] {
         let per_message = median(&format!("idem batched {batch}, per-message handler"));
         let batch_handler = median(&format!("idem batched {batch}, batch handler"));
         ratio(format!("idem batched {batch} (batch handler) ÷ reference"), batch_handler, reference);
         ratio(format!("idem batched {batch} (per-message handler) ÷ reference"), per_message, reference);
+        ratio(
+            format!("idem configured bulk {batch} ÷ idem batched {batch} (batch handler)"),
+            median(&format!("idem configured bulk (idem run), batched {batch}")),
+            batch_handler,
+        );
         ratio(
             format!("idem batched {batch} (batch handler) ÷ batched SQL limit"),
             batch_handler,

@@ -98,7 +98,7 @@ pub(super) async fn relay_and_apply(
         eprintln!("applying {topic} to the second ledger with {} crash(es)…", args.crashes);
     }
     let mut stage = Summary::default();
-    super::consume(args, &second, url, plan.expected_entries as u64, seed ^ 0xc4a1, &extra, &mut stage).await?;
+    super::consume(args, &second, url, plan.expected_entries as u64, seed ^ 0xc4a1, &extra, None, &mut stage).await?;
     chain.second_consumer_runs = stage.consumer_runs;
     chain.second_crashes_survived = stage.crashes_survived;
     chain.second_processed = stage.processed;

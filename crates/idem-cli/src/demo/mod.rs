@@ -20,6 +20,7 @@ use crate::with_pool;
 
 mod chain;
 mod events;
+mod service;
 mod summary;
 mod worker;
 
@@ -27,12 +28,14 @@ use events::{Plan, generate, write_embedded};
 pub use events::{ProduceArgs, Rng, produce, write_kafka, write_nats, write_rabbitmq};
 use summary::{Summary, print_summary};
 use worker::CommitReport;
-pub use worker::{WorkerArgs, worker};
+pub use worker::{WorkerArgs, report_commit, worker};
 
 const TOPIC: &str = "payments";
 const GROUP: &str = "demo-ledger";
 const PREFIX: &str = "idem_demo_";
 const ACCOUNTS: i64 = 1000;
+/// The visibility timeout of the demo's SQS queue: what a killed consumer held reappears this much later.
+const SQS_VISIBILITY: Duration = Duration::from_secs(3);
 
 /// Arguments of `idem demo`.
 #[derive(clap::Args, Debug)]
@@ -73,12 +76,22 @@ pub struct DemoArgs {
     /// fresh queue per partition (each account's events in one of them), removed at the end.
     #[arg(long, conflicts_with_all = ["kafka", "nats"])]
     rabbitmq: Option<String>,
+    /// Use Amazon SQS instead of the embedded log: an SQS-compatible endpoint (http://127.0.0.1:9324) or `aws`
+    /// (region and credentials from the standard AWS configuration). A fresh FIFO queue per run, each account a
+    /// message group, with a visibility timeout of 3 s (what a killed consumer held reappears 3 s later); the
+    /// queue is removed at the end.
+    #[arg(long, conflicts_with_all = ["kafka", "nats", "rabbitmq"])]
+    sqs: Option<String>,
     /// The chain: each credit also enqueues a `PaymentCredited` event in the outbox (same transaction); relays
     /// (killed with SIGKILL at random points) deliver them to a second topic; a second consumer group (killed too)
     /// applies them to a second ledger. Both ledgers are checked to the cent, and each account's order in the
     /// second. Embedded log or Kafka.
-    #[arg(long, conflicts_with_all = ["nats", "rabbitmq"])]
+    #[arg(long, conflicts_with_all = ["nats", "rabbitmq", "sqs"])]
     chain: bool,
+    /// Consume through `idem run --config`: the ledger's effects declared as SQL in a configuration file (written
+    /// beside the log, printed with --dir) instead of the demo's Rust handler; the same crashes and checks.
+    #[arg(long, conflicts_with = "chain")]
+    service: bool,
     /// Keep the log (and SQLite file) in this directory instead of a temporary one removed at the end.
     #[arg(long)]
     dir: Option<PathBuf>,
@@ -96,6 +109,7 @@ enum Transport {
     Kafka { brokers: String, topic: String, group: String },
     Nats { url: String, stream: String, group: String, partitions: i32 },
     Rabbitmq { url: String, queues: Vec<String>, group: String },
+    Sqs { endpoint: String, queue: String, group: String, partitions: i32 },
 }
 
 impl Transport {
@@ -123,6 +137,19 @@ impl Transport {
                 "--ack-wait-secs".into(),
                 "3".into(),
                 "--nats-partitions".into(),
+                partitions.to_string(),
+            ],
+            // Batches of at most 3 s: the queue's visibility timeout.
+            Transport::Sqs { endpoint, queue, group, partitions } => vec![
+                "--sqs".into(),
+                endpoint.clone(),
+                "--topic".into(),
+                queue.clone(),
+                "--group".into(),
+                group.clone(),
+                "--max-batch-secs".into(),
+                SQS_VISIBILITY.as_secs().to_string(),
+                "--sqs-partitions".into(),
                 partitions.to_string(),
             ],
             Transport::Rabbitmq { url, queues, group } => {
@@ -165,6 +192,18 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let (plan, records) = generate(args.events, args.duplicates, seed);
     let run_id = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
     let transport = match (&args.kafka, &args.nats) {
+        (None, None) if args.sqs.is_some() => {
+            let endpoint = args.sqs.clone().unwrap_or_default();
+            let (queue, group) = (format!("idem-demo-{run_id}.fifo"), format!("{GROUP}-{run_id}"));
+            let written = crate::sqs::write_demo_queue(&endpoint, &queue, SQS_VISIBILITY, &records)
+                .await
+                .context("producing the events to SQS");
+            if let Err(error) = written {
+                crate::sqs::remove_demo_queue(&endpoint, &queue).await;
+                return Err(error);
+            }
+            Transport::Sqs { endpoint, queue, group, partitions: args.partitions }
+        }
         (None, None) if args.rabbitmq.is_some() => {
             let url = args.rabbitmq.clone().unwrap_or_default();
             let queues: Vec<String> = (0..args.partitions).map(|p| format!("idem-demo-{run_id}-{p}")).collect();
@@ -210,7 +249,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let started = Instant::now();
     let announce = args.chain.then(|| chain::topic(&transport));
     let extra: Vec<String> = announce.iter().flat_map(|t| ["--announce".to_owned(), t.clone()]).collect();
-    let mut consumed = consume(&args, &transport, &url, plan.records, seed, &extra, &mut summary).await;
+    let service = match args.service {
+        true => Some(service::write(&dir, &transport, args.batch_size, args.partitions + 2)?),
+        false => None,
+    };
+    summary.consumer =
+        if service.is_some() { "idem run --config (effects declared as SQL)" } else { "demo's Rust handler" };
+    let mut consumed =
+        consume(&args, &transport, &url, plan.records, seed, &extra, service.as_deref(), &mut summary).await;
     summary.consume_seconds = started.elapsed().as_secs_f64();
     if let (Some(topic), Ok(())) = (&announce, &consumed) {
         consumed = chain::relay_and_apply(&args, &transport, topic, &url, &plan, seed, &mut summary).await;
@@ -218,6 +264,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     match &transport {
         Transport::Nats { url, stream, .. } => remove_nats_stream(url, stream).await,
         Transport::Rabbitmq { url, queues, .. } => remove_rabbitmq_queues(url, queues).await,
+        Transport::Sqs { endpoint, queue, .. } => crate::sqs::remove_demo_queue(endpoint, queue).await,
         Transport::Embedded(_) | Transport::Kafka { .. } => {}
     }
     consumed?;
@@ -313,6 +360,8 @@ async fn prepare(db: &Db, tables: &Tables) -> anyhow::Result<()> {
 }
 
 /// Runs consumer processes until one finishes the log; the planned ones are killed at their fault point.
+/// `service`: the configuration file `idem run` consumes with, instead of `idem demo-worker`.
+#[allow(clippy::too_many_arguments)]
 async fn consume(
     args: &DemoArgs,
     transport: &Transport,
@@ -320,6 +369,7 @@ async fn consume(
     records: u64,
     seed: u64,
     extra: &[String],
+    service: Option<&Path>,
     summary: &mut Summary,
 ) -> anyhow::Result<()> {
     let progress = indicatif::ProgressBar::new(records);
@@ -350,21 +400,29 @@ async fn consume(
             format!("{point}:{at}")
         });
         let mut command = tokio::process::Command::new(&exe);
-        command
-            .arg("--log")
-            .arg("error")
-            .arg("demo-worker")
-            .args(transport.worker_args())
-            .arg("--database-url")
-            .arg(url)
-            .arg("--batch-size")
-            .arg(args.batch_size.to_string())
-            .arg("--connections")
-            .arg((args.partitions + 1).to_string())
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stdin(Stdio::null())
-            .kill_on_drop(true);
+        command.arg("--log").arg("error");
+        match service {
+            Some(config) => {
+                command.args(["run", "--exit-at-end", "--report-commits", "--config"]).arg(config);
+                command.env("IDEM_DATABASE_URL", url);
+                if let Some(broker) = service::broker_url(transport) {
+                    command.env(service::BROKER_URL_ENV, broker);
+                }
+            }
+            None => {
+                command
+                    .arg("demo-worker")
+                    .args(transport.worker_args())
+                    .arg("--database-url")
+                    .arg(url)
+                    .arg("--batch-size")
+                    .arg(args.batch_size.to_string())
+                    .arg("--connections")
+                    .arg((args.partitions + 1).to_string())
+                    .args(extra);
+            }
+        }
+        command.stdout(Stdio::piped()).stdin(Stdio::null()).kill_on_drop(true);
         match &fault {
             Some(fault) => command.env(idem::fault::FAULT_ENV, fault),
             None => command.env_remove(idem::fault::FAULT_ENV),

@@ -9,6 +9,8 @@ use super::chain::ChainSummary;
 pub(super) struct Summary {
     pub(super) ok: bool,
     pub(super) database: &'static str,
+    /// What consumed: the demo's Rust handler or `idem run --config`.
+    pub(super) consumer: &'static str,
     pub(super) events_produced: u64,
     pub(super) producer_duplicates: u64,
     pub(super) log_records: u64,
@@ -40,7 +42,7 @@ pub(super) fn print_summary(s: &Summary, json: bool) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(s)?);
         return Ok(());
     }
-    println!("idem demo: payments ledger on {}", s.database);
+    println!("idem demo: payments ledger on {}, consumed by the {}", s.database, s.consumer);
     println!(
         "  events produced        {:>12}  ({} sent twice by the producer)",
         s.events_produced, s.producer_duplicates

@@ -19,8 +19,22 @@ use super::{GROUP, PREFIX, TOPIC};
 #[derive(clap::Args, Debug)]
 pub struct WorkerArgs {
     /// The embedded log's directory.
-    #[arg(long, required_unless_present_any = ["kafka", "nats", "rabbitmq"])]
+    #[arg(long, required_unless_present_any = ["kafka", "nats", "rabbitmq", "sqs"])]
     log_dir: Option<PathBuf>,
+    /// Amazon SQS (instead of the embedded log): an SQS-compatible endpoint (http://127.0.0.1:9324) or `aws`
+    /// for the standard AWS configuration's; the topic is the queue's name or URL.
+    #[arg(long, conflicts_with_all = ["kafka", "log_dir", "nats", "rabbitmq"])]
+    sqs: Option<String>,
+    /// SQS: the longest a batch may take from receipt to commit, in seconds; start-up is refused when the queue's
+    /// visibility timeout is shorter.
+    #[arg(long, default_value_t = 30)]
+    max_batch_secs: u64,
+    /// SQS: partitions the messages are spread over (by message group on FIFO queues), each handled in order.
+    #[arg(long, default_value_t = 8)]
+    sqs_partitions: u32,
+    /// SQS: receives after which a message is dead-lettered instead of handled again.
+    #[arg(long)]
+    max_receive_count: Option<u32>,
     /// RabbitMQ server (instead of the embedded log), amqp://user:password@host:port/vhost: consumes every
     /// `--queue`, each one partition.
     #[arg(long, conflicts_with_all = ["kafka", "log_dir", "nats"])]
@@ -130,6 +144,9 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     if let Some(url) = &args.rabbitmq {
         return rabbitmq(url, &args, config, db, credit, signals).await;
     }
+    if let Some(endpoint) = &args.sqs {
+        return sqs(endpoint, &args, config, db, credit, signals).await;
+    }
     match (&args.kafka, &args.log_dir) {
         (Some(brokers), _) => {
             let mut kafka = idem::kafka::KafkaConfig::new(brokers.as_str(), &[args.topic.as_str()]);
@@ -150,7 +167,7 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
             let source = log.consumer(&args.group, &[args.topic.as_str()], options)?;
             with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, signals).await?);
         }
-        (None, None) => bail!("give --log-dir, --kafka, --nats or --rabbitmq"),
+        (None, None) => bail!("give --log-dir, --kafka, --nats, --rabbitmq or --sqs"),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -201,6 +218,33 @@ async fn rabbitmq(
     Ok(ExitCode::SUCCESS)
 }
 
+#[cfg(feature = "sqs")]
+async fn sqs(
+    endpoint: &str,
+    args: &WorkerArgs,
+    config: Config,
+    db: Db,
+    credit: Credit,
+    signals: Signals,
+) -> anyhow::Result<ExitCode> {
+    let sqs = idem::sqs::SqsConfig {
+        endpoint: crate::sqs::endpoint(endpoint).map(str::to_owned),
+        max_batch_time: std::time::Duration::from_secs(args.max_batch_secs),
+        partitions: args.sqs_partitions,
+        max_receive_count: args.max_receive_count,
+        stop_at_end: !args.follow,
+        ..idem::sqs::SqsConfig::new(args.topic.as_str())
+    };
+    let source = idem::sqs::SqsSource::connect(&sqs, &config).await?;
+    with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, signals).await?);
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(not(feature = "sqs"))]
+async fn sqs(_: &str, _: &WorkerArgs, _: Config, _: Db, _: Credit, _: Signals) -> anyhow::Result<ExitCode> {
+    bail!("--sqs: this idem is built without the `sqs` feature")
+}
+
 #[cfg(not(feature = "rabbitmq"))]
 async fn rabbitmq(_: &str, _: &WorkerArgs, _: Config, _: Db, _: Credit, _: Signals) -> anyhow::Result<ExitCode> {
     bail!("--rabbitmq: this idem is built without the `rabbitmq` feature")
@@ -243,7 +287,7 @@ pub(super) fn report_line(value: serde_json::Value) {
 
 /// Writes the commit to stdout before the acknowledgement (and before the after-commit fault point), so the
 /// parent's counts include every committed transaction even when the process is killed right after.
-fn report_commit(committed: &Committed) {
+pub fn report_commit(committed: &Committed) {
     use std::io::Write;
     let report = CommitReport {
         processed: committed.processed,

@@ -14,12 +14,12 @@
 //! Guarantees:
 //! * Appends from any number of processes are serialized by an exclusive lock on the partition file, and each
 //!   record is written with a single write. A record cut short by a crashed writer (a torn tail) is never
-//!   delivered; the next append truncates it away. [`LogProducer::flush`] and [`Publisher::publish`] fsync and
+//!   delivered; the next append truncates it away. [`LogProducer::flush`] and [`Publisher::publish`](crate::source::Publisher::publish) fsync and
 //!   record the durable length.
 //! * A partition is owned by at most one consumer of a group at a time: an OS file lock on its `.lock` file,
 //!   released by the kernel when the process dies, even by SIGKILL. Several processes of one group split the
 //!   partitions between them. Ownership never moves while a consumer lives, so the log never yields
-//!   [`Received::Revoked`].
+//!   [`Received::Revoked`](crate::source::Received::Revoked).
 //! * Committed offsets are replaced atomically (write, fsync, rename). Messages not acknowledged are delivered
 //!   again to the next consumer of the partition.
 //! * Damage (a checksum that does not match, a length field that cannot be, bytes missing from the fsynced part

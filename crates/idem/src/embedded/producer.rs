@@ -211,7 +211,8 @@ impl LogProducer {
         headers: &[(String, Vec<u8>)],
         sync: bool,
     ) -> Result<i64, SourceError> {
-        let record = encode(now_ms(), key, payload, headers)?;
+        let headers = crate::propagation::with_current(headers);
+        let record = encode(now_ms(), key, payload, &headers)?;
         let writer = {
             let mut writers = lock(&self.inner.writers)?;
             match writers.get(&(topic.to_owned(), partition)) {

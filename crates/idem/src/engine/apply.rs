@@ -3,6 +3,8 @@
 
 use std::future::Future;
 
+use tracing::Instrument;
+
 use super::Engine;
 use super::outcome::Outcome;
 use super::retry::Shutdown;
@@ -56,7 +58,7 @@ async fn apply_each<DB: Backend, H: Handler<DB>>(
     tx: &mut DB::Connection,
 ) -> Result<(), (Option<usize>, HandlerError)> {
     for (i, event) in fresh.iter().enumerate() {
-        handler.handle(event, tx).await.map_err(|e| (Some(i), e))?;
+        handler.handle(event, tx).instrument(event.span().clone()).await.map_err(|e| (Some(i), e))?;
     }
     Ok(())
 }

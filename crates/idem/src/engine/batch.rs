@@ -5,6 +5,8 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::time::Instant;
 
+use tracing::Instrument;
+
 use super::Engine;
 use super::apply::Apply;
 use super::outcome::Outcome;
@@ -65,10 +67,33 @@ impl<DB: Backend> Engine<DB> {
         messages
             .into_iter()
             .map(|message| match key.extract(&message) {
-                Ok(id) => Item::Keyed(Event::new(id, message)),
+                Ok(id) => {
+                    let span = self.message_span(&id, &message);
+                    Item::Keyed(Event::new(id, message).with_span(span))
+                }
                 Err(reason) => Item::Unkeyed { message, reason },
             })
             .collect()
+    }
+
+    /// The span of one message (the messaging conventions' `process` span), a child of the trace context its
+    /// headers carry; its outcome is recorded when it is known.
+    fn message_span(&self, id: &str, m: &Message) -> tracing::Span {
+        let span = tracing::info_span!(
+            "idem.process",
+            otel.name = format!("process {}", m.topic),
+            otel.kind = "consumer",
+            messaging.system = self.inner.system.get().copied().unwrap_or("idem"),
+            messaging.operation.type = "process",
+            messaging.destination.name = %m.topic,
+            messaging.destination.partition.id = m.partition,
+            messaging.kafka.offset = m.offset,
+            messaging.message.id = id,
+            messaging.consumer.group.name = %self.inner.config.group,
+            idem.outcome = tracing::field::Empty,
+        );
+        crate::propagation::set_parent_from(&span, &m.headers);
+        span
     }
 
     /// Handles `items` in order: commits as much of them together as possible, dead-letters the failures.
@@ -127,6 +152,11 @@ impl<DB: Backend> Engine<DB> {
                 }
             }
         }
+        for (item, outcome) in items.iter().zip(&outcomes) {
+            if let Item::Keyed(event) = item {
+                event.span().record("idem.outcome", outcome.as_str());
+            }
+        }
         Ok(outcomes)
     }
 
@@ -172,12 +202,24 @@ impl<DB: Backend> Engine<DB> {
     ) -> Result<Attempted, Error> {
         let config = &self.inner.config;
         let retrying = Retrying { group: &config.group, what: "the batch", on_retry: &|| self.count_retry(items) };
-        let result = retry(config, shutdown, &retrying, || async {
-            let started = Instant::now();
-            match self.transaction(items, apply).await {
-                Ok(outcomes) => Ok((outcomes, started)),
-                Err(failure) => Err(failure.into_failed()),
+        let topic = items.first().map_or("", |i| i.message().topic.as_str());
+        let batch = tracing::info_span!(
+            "idem.batch",
+            otel.name = format!("process {topic} batch"),
+            messaging.system = self.inner.system.get().copied().unwrap_or("idem"),
+            messaging.destination.name = topic,
+            messaging.consumer.group.name = %config.group,
+            messaging.batch.message_count = items.len(),
+        );
+        let result = retry(config, shutdown, &retrying, || {
+            async {
+                let started = Instant::now();
+                match self.transaction(items, apply).await {
+                    Ok(outcomes) => Ok((outcomes, started)),
+                    Err(failure) => Err(failure.into_failed()),
+                }
             }
+            .instrument(batch.clone())
         })
         .await?;
         match result {

@@ -67,6 +67,8 @@ struct Inner<DB: Backend> {
     layout_checked: tokio::sync::Mutex<Option<Instant>>,
     /// Open, empty transactions waiting for the next batch while the run loop is busy.
     warm: warm::Warm<DB>,
+    /// The broker of the running source, for traces (`Source::SYSTEM`).
+    system: std::sync::OnceLock<&'static str>,
 }
 
 impl<DB: Backend> Engine<DB> {
@@ -89,6 +91,7 @@ impl<DB: Backend> Engine<DB> {
                 on_commit: std::sync::RwLock::new(None),
                 layout_checked: tokio::sync::Mutex::new(None),
                 warm: warm::Warm::default(),
+                system: std::sync::OnceLock::new(),
             }),
         })
     }

@@ -18,7 +18,7 @@ pub enum Outcome {
     /// Failed permanently (or ran out of retries): stored in the dead-letter table with its marker.
     DeadLettered,
     /// The id was already used by an event with a different payload: the producer reused it. Not applied;
-    /// logged at WARN with both positions, and dead-lettered too under [`IdReusePolicy::DeadLetter`].
+    /// logged at WARN with both positions, and dead-lettered too under [`IdReusePolicy::DeadLetter`](crate::IdReusePolicy::DeadLetter).
     IdReused,
     /// Older than the state it would change (an ordering guard, [`crate::guard::VersionGuard`]): committed with
     /// its marker, nothing applied; logged at INFO with both versions.

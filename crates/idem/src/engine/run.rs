@@ -27,6 +27,7 @@ impl<DB: Backend> Engine<DB> {
         shutdown: impl Future + Send,
     ) -> Result<StatsSnapshot, Error> {
         crate::telemetry::describe();
+        let _ = self.inner.system.set(S::SYSTEM);
         metrics::gauge!("consumer_paused", "consumer_group" => self.inner.config.group.clone()).set(0.0);
         let mut shutdown = std::pin::pin!(shutdown);
         // The layout check is the run's first statement: a database that is away is waited for, as later.

@@ -322,6 +322,8 @@ fn owned(message: &BorrowedMessage<'_>) -> Message {
 }
 
 impl Source for KafkaSource {
+    const SYSTEM: &'static str = "kafka";
+
     async fn recv(&self) -> Result<Option<Received>, SourceError> {
         let mut rx = self.rx.lock().await;
         loop {

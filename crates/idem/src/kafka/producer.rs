@@ -94,6 +94,7 @@ impl KafkaProducer {
         payload: &[u8],
         headers: &[(String, Vec<u8>)],
     ) -> Result<(i32, i64, String), SourceError> {
+        let headers = &*crate::propagation::with_current(headers);
         let partitions = self.partition_count(topic).await?;
         let mut owned = OwnedHeaders::new_with_capacity(headers.len() + 3);
         for (name, value) in headers {

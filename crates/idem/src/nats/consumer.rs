@@ -243,6 +243,8 @@ async fn keep_in_progress(client: async_nats::Client, in_hand: InHand, every: Du
 }
 
 impl Source for NatsSource {
+    const SYSTEM: &'static str = "nats";
+
     async fn recv(&self) -> Result<Option<Received>, SourceError> {
         let mut messages = self.messages.lock().await;
         loop {

@@ -43,7 +43,7 @@ impl NatsProducer {
         payload: &[u8],
         headers: &[(String, Vec<u8>)],
     ) -> Result<Published, SourceError> {
-        let (map, event_id) = stamp(headers)?;
+        let (map, event_id) = stamp(&crate::propagation::with_current(headers))?;
         let ack = self
             .js
             .publish_with_headers(subject.to_owned(), map, payload.to_vec().into())

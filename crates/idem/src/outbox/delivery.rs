@@ -64,7 +64,7 @@ fn order_key(m: &OutboxMessage) -> OrderKey<'_> {
 
 /// Runs `deliver_one` over `messages`: keys concurrently, each key's messages one after another, holding the
 /// rest of a key after its first failure.
-async fn per_key<'a, F, Fut>(messages: &'a [OutboxMessage], deliver_one: F) -> Vec<Delivered>
+pub(super) async fn per_key<'a, F, Fut>(messages: &'a [OutboxMessage], deliver_one: F) -> Vec<Delivered>
 where
     F: Fn(&'a OutboxMessage) -> Fut + Sync,
     Fut: Future<Output = Result<(), DeliveryError>> + Send,

@@ -27,11 +27,15 @@
 //!   transaction that deletes it, and [`requeue_dead_letter`] puts it back.
 
 mod delivery;
+#[cfg(feature = "http-delivery")]
+mod http;
 mod relay;
 mod settlement;
 mod store;
 
 pub use delivery::{Call, Delivered, Delivery, DeliveryError, Publish};
+#[cfg(feature = "http-delivery")]
+pub use http::{HttpDelivery, HttpOr, METHOD_HEADER, is_http};
 pub use relay::{Relay, RelayConfig, RelayStats};
 pub use store::{OutboxConnection, OutboxStats, OutboxStore, list, requeue_dead_letter, stats};
 
@@ -185,6 +189,23 @@ impl Outbox {
         if messages.is_empty() {
             return Ok(Vec::new());
         }
+        // The trace context of the enqueuing span travels with each message, so the relay's delivery continues it.
+        let traced: Vec<OutgoingMessage>;
+        let messages = match crate::propagation::with_current(&[]) {
+            std::borrow::Cow::Owned(context) => {
+                traced = messages
+                    .iter()
+                    .map(|m| {
+                        let mut m = m.clone();
+                        m.headers.retain(|(name, _)| !context.iter().any(|(c, _)| c.eq_ignore_ascii_case(name)));
+                        m.headers.extend(context.iter().cloned());
+                        m
+                    })
+                    .collect();
+                &traced[..]
+            }
+            std::borrow::Cow::Borrowed(_) => messages,
+        };
         let rows: Vec<store::NewRow<'_>> = messages
             .iter()
             .map(|m| {

@@ -1,5 +1,6 @@
 //! The RabbitMQ source: one connection and channel, one consumer per queue, deliveries merged into one channel
-//! of their own; each delivery acknowledged by its own tag after its transaction commits.
+//! of their own; each delivery acknowledged by its own tag after its transaction commits, its offset derived from
+//! the message (`stable_offset`), never from the tag.
 
 use std::time::Duration;
 
@@ -9,7 +10,7 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, Basi
 use lapin::types::{AMQPValue, FieldTable};
 use tokio::sync::mpsc;
 
-use super::{RabbitConfig, connect};
+use super::{MESSAGE_ID_HEADER, RabbitConfig, connect};
 use crate::error::Error;
 use crate::message::{AckHandle, Message};
 use crate::source::{Acknowledgement, Drained, Partition, Received, Source, SourceError};
@@ -54,6 +55,14 @@ impl RabbitSource {
     pub async fn connect(config: &RabbitConfig, engine: &crate::Config) -> Result<Self, Error> {
         config.validate()?;
         engine.validate()?;
+        if engine.key == crate::KeyExtractor::BrokerId {
+            return Err(Error::Config(format!(
+                "rabbitmq: the broker-id key is refused: RabbitMQ numbers deliveries per channel, from 1 again on \
+                 each connection, so two different messages would share an id and the second would be skipped as a \
+                 duplicate. Fix: key on the producer's event id (header:idem-event-id), a business key in the payload \
+                 (json:/…), or the message's `message_id` property (header:{MESSAGE_ID_HEADER})"
+            )));
+        }
         let connection = connect(&config.url).await?;
         for queue in &config.queues {
             // A passive declaration of a missing queue closes its channel: one channel per check.
@@ -136,13 +145,18 @@ fn to_message(queue: String, delivery: Delivery, delivery_limit: Option<u32>) ->
     if delivery.redelivered {
         metrics::counter!("rabbitmq_redelivered_total", "queue" => queue.clone()).increment(1);
     }
-    let headers = delivery.properties.headers().as_ref().map(header_pairs).unwrap_or_default();
+    let mut headers = delivery.properties.headers().as_ref().map(header_pairs).unwrap_or_default();
+    let message_id = delivery.properties.message_id().as_ref().map(|id| id.as_str().to_owned());
+    let offset = stable_offset(message_id.as_deref(), &delivery.routing_key, &delivery.data);
+    if let Some(id) = message_id {
+        headers.push((MESSAGE_ID_HEADER.to_owned(), id.into_bytes()));
+    }
     let timestamp_ms = delivery.properties.timestamp().map(|seconds| (seconds as i64).saturating_mul(1000));
     let dead_letter_reason = last_delivery(&headers, delivery_limit);
     Message {
         topic: queue,
         partition: 0,
-        offset: delivery.delivery_tag as i64,
+        offset,
         key: Some(delivery.routing_key.as_str().as_bytes().to_vec()),
         payload: delivery.data,
         headers,
@@ -150,6 +164,26 @@ fn to_message(queue: String, delivery: Delivery, delivery_limit: Option<u32>) ->
         ack_handle: Some(AckHandle::new(delivery.acker)),
         dead_letter_reason,
     }
+}
+
+/// A message's offset, the same on every delivery of it: RabbitMQ has no offsets, and its delivery tags start
+/// again from 1 on each channel. 63 bits of SHA-256 of the `message_id` property, or, without one, of the routing
+/// key and the body. A keyless message that fails for good thus keeps one dead-letter row however often it comes
+/// back, and two different ones never share a row.
+fn stable_offset(message_id: Option<&str>, routing_key: &lapin::types::ShortString, body: &[u8]) -> i64 {
+    use sha2::Digest;
+    let digest = match message_id {
+        Some(id) => sha2::Sha256::new().chain_update(b"id:").chain_update(id.as_bytes()).finalize(),
+        None => sha2::Sha256::new()
+            .chain_update(b"body:")
+            .chain_update(routing_key.as_str().as_bytes())
+            .chain_update([0u8])
+            .chain_update(body)
+            .finalize(),
+    };
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first) & i64::MAX
 }
 
 /// The reason to dead-letter a delivery whose `x-delivery-count` (a quorum queue's count of earlier failed
@@ -190,6 +224,8 @@ fn header_pairs(table: &FieldTable) -> Vec<(String, Vec<u8>)> {
 }
 
 impl Source for RabbitSource {
+    const SYSTEM: &'static str = "rabbitmq";
+
     async fn recv(&self) -> Result<Option<Received>, SourceError> {
         let mut session = self.session.lock().await;
         loop {

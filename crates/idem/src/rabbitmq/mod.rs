@@ -18,6 +18,10 @@
 //!   transaction as its marker, then acknowledged, or, with [`RabbitConfig::dead_letter_exchange`], rejected
 //!   without requeue so RabbitMQ also routes it to the queue's `x-dead-letter-exchange`. That exchange still
 //!   catches what RabbitMQ rejects by itself (expired messages, an overflowing queue).
+//! * **Keys and offsets.** RabbitMQ has no offsets, and its delivery tags start from 1 again on each channel, so
+//!   they identify no message: the `broker-id` key is refused at start-up, and a message's offset in idem (what a
+//!   keyless dead letter is stored under) is derived from its `message_id` property, or from its routing key and
+//!   body, the same on every delivery. The `message_id` is also the header [`MESSAGE_ID_HEADER`].
 //! * **Delivery limit.** A quorum queue counts failed deliveries (`x-delivery-count`) and drops a message past its
 //!   `x-delivery-limit`. Give idem the limit ([`RabbitConfig::delivery_limit`]) and the last delivery becomes a
 //!   dead letter in idem's table instead of a message the broker drops (a message that crashes the consumer each
@@ -28,6 +32,10 @@ mod producer;
 
 pub use consumer::RabbitSource;
 pub use producer::RabbitProducer;
+
+/// The header carrying a delivery's AMQP `message_id` property, when its publisher set one (idem's producer sets
+/// the event id): `header:rabbitmq-message-id` keys on it.
+pub const MESSAGE_ID_HEADER: &str = "rabbitmq-message-id";
 
 use crate::error::Error;
 

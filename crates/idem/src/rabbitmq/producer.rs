@@ -73,6 +73,7 @@ impl RabbitProducer {
         payload: &[u8],
         headers: &[(String, Vec<u8>)],
     ) -> Result<(lapin::PublisherConfirm, String), SourceError> {
+        let headers = &*crate::propagation::with_current(headers);
         let mut table = FieldTable::default();
         for (name, value) in headers {
             table.insert(name.as_str().into(), AMQPValue::LongString(value.clone().into()));

@@ -1,0 +1,435 @@
+//! The service's configuration file (`idem.toml`): its shape, the environment's part in it, and problems named
+//! by line and key path.
+//!
+//! Every table refuses keys it does not know. Strings may name environment variables (`${PGHOST}`,
+//! `${PGPORT:-5432}`); `IDEM_…__…` variables replace single keys (see `overrides`) and `IDEM_DATABASE_URL`
+//! replaces `database.url` whole. A password is never read from the file:
+//! `database.password_env` or `database.password_file` supply it.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use toml::Spanned;
+
+use super::overrides::{Origins, Override};
+use super::value::ParamType;
+
+/// The whole file.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct File {
+    /// Where the markers and the effects live.
+    pub database: Database,
+    /// The operations endpoint.
+    #[serde(default)]
+    pub operations: Operations,
+    /// The consumers; each runs its own engine on the shared pool.
+    #[serde(rename = "consumer", default)]
+    pub consumers: Vec<Spanned<Consumer>>,
+}
+
+/// `[database]`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Database {
+    /// `postgres://user@host:port/db` or `sqlite://path.db`, without a password.
+    pub url: Spanned<String>,
+    /// The environment variable holding the password.
+    pub password_env: Option<String>,
+    /// A file holding the password (a mounted secret).
+    pub password_file: Option<String>,
+    /// Connections in the pool (default: two per consumer, plus one per partition consumed at once).
+    pub connections: Option<u32>,
+    /// PostgreSQL schema of idem's tables.
+    pub schema: Option<String>,
+    /// Prefix of idem's table names.
+    #[serde(default)]
+    pub table_prefix: String,
+    /// Create or upgrade idem's tables at start-up (default true).
+    #[serde(default = "yes")]
+    pub migrate: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `[operations]`.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Operations {
+    /// Serve `/metrics`, `/healthz`, `/readyz` and `POST /resume` here (`127.0.0.1:9464`).
+    pub listen: Option<Spanned<String>>,
+}
+
+/// One `[[consumer]]`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Consumer {
+    /// Its name in logs and errors; also the consumer group unless `group` says otherwise.
+    pub name: String,
+    /// The consumer group (the marker namespace).
+    pub group: Option<String>,
+    /// The idempotency key: `json:/pointer`, `header:NAME` or `broker-id`.
+    pub key: Spanned<String>,
+    /// Messages per transaction (default 100).
+    pub batch_size: Option<Spanned<usize>>,
+    /// Attempts of a transaction that fails retryably before its message is dead-lettered (default 10).
+    pub max_attempts: Option<Spanned<u32>>,
+    /// How long markers are kept (`8d`); the retention guard checks it against the broker at start-up.
+    pub marker_retention: Option<Spanned<String>>,
+    /// `plain` (default), `partitioned-day` or `partitioned-month` (PostgreSQL).
+    pub layout: Option<Spanned<String>>,
+    /// With a partitioned layout: how long the broker may redeliver (`7d`).
+    pub redelivery_window: Option<Spanned<String>>,
+    /// The embedded log.
+    pub embedded: Option<EmbeddedSource>,
+    /// Kafka.
+    pub kafka: Option<KafkaSource>,
+    /// NATS JetStream.
+    pub nats: Option<NatsSource>,
+    /// RabbitMQ.
+    pub rabbitmq: Option<RabbitSource>,
+    /// Amazon SQS.
+    pub sqs: Option<SqsSource>,
+    /// The parameters the statements use, by name.
+    #[serde(default)]
+    pub params: BTreeMap<String, Spanned<ParamSpec>>,
+    /// Statements run for each new event, in order, in idem's transaction.
+    #[serde(rename = "effect", default)]
+    pub effects: Vec<Statement>,
+    /// Statements run once per batch over all its new events, each parameter bound as an array (PostgreSQL).
+    #[serde(rename = "bulk", default)]
+    pub bulk: Vec<Statement>,
+    /// Messages enqueued in the outbox with each applied event.
+    #[serde(rename = "emit", default)]
+    pub emits: Vec<Emit>,
+    /// A version guard: only newer versions of an entity are applied.
+    pub version_guard: Option<Spanned<VersionGuardSpec>>,
+    /// A state-machine guard (the keys of `idem::guard::StateMachineSpec`).
+    pub state_machine: Option<Spanned<toml::Table>>,
+    /// The Sequential Inbox (the keys of its own file; PostgreSQL).
+    pub inbox: Option<Spanned<toml::Table>>,
+}
+
+/// `[consumer.embedded]`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EmbeddedSource {
+    /// The log's directory.
+    pub dir: Spanned<String>,
+    /// The topics to consume.
+    pub topics: Vec<String>,
+}
+
+/// `[consumer.kafka]`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaSource {
+    /// Bootstrap servers (`host:port,…`).
+    pub brokers: Spanned<String>,
+    /// The topics to consume.
+    pub topics: Vec<String>,
+    /// Extra librdkafka settings.
+    #[serde(default)]
+    pub settings: BTreeMap<String, String>,
+}
+
+/// `[consumer.nats]`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsSource {
+    /// The server (`nats://host:4222`).
+    pub url: Spanned<String>,
+    /// The JetStream stream.
+    pub stream: String,
+    /// AckWait of the durable consumer when it is created (`30s`).
+    pub ack_wait: Option<Spanned<String>>,
+    /// Partitions the stream's messages are spread over by subject.
+    pub partitions: Option<u32>,
+}
+
+/// `[consumer.rabbitmq]`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RabbitSource {
+    /// The server (`amqp://user@host:5672/%2f`; its password from `password_env`).
+    pub url: Spanned<String>,
+    /// The queues, each one partition.
+    pub queues: Vec<String>,
+    /// Unacknowledged deliveries per queue (default: the batch size).
+    pub prefetch: Option<u16>,
+}
+
+/// `[consumer.sqs]`: region and credentials from the standard AWS configuration.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SqsSource {
+    /// The queue's name or URL.
+    pub queue: String,
+    /// An SQS-compatible endpoint instead of the region's (`http://127.0.0.1:9324`); `aws` or absent for AWS.
+    pub endpoint: Option<Spanned<String>>,
+    /// The region, when not the standard configuration's.
+    pub region: Option<String>,
+    /// The longest a batch may take (`30s`); start-up is refused when the queue's visibility timeout is shorter.
+    pub max_batch_time: Option<Spanned<String>>,
+    /// Partitions the messages are spread over (by message group on FIFO queues); default 8.
+    pub partitions: Option<u32>,
+    /// Receives after which a message is dead-lettered instead of handled again.
+    pub max_receive_count: Option<u32>,
+}
+
+/// A parameter's declaration: `amount = { from = "json:/amount", type = "numeric" }`.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParamSpec {
+    /// `json:/pointer`, `header:NAME`, `event-id`, `topic`, `partition`, `offset`, `key` or `payload`.
+    pub from: String,
+    /// integer, numeric, text, boolean, timestamp, uuid or json.
+    #[serde(rename = "type")]
+    pub ty: ParamType,
+    /// Bind NULL for a missing value instead of dead-lettering the event.
+    #[serde(default)]
+    pub optional: bool,
+}
+
+/// `[[consumer.effect]]` or `[[consumer.bulk]]`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Statement {
+    /// The SQL, with `:name` parameters.
+    pub sql: Spanned<String>,
+    /// Rows the statement must change (per event): any other count rolls the event back and dead-letters it,
+    /// naming the statement (an `UPDATE` of an account that does not exist, for example). Per-event statements
+    /// only.
+    pub expect_rows: Option<u64>,
+}
+
+/// `[[consumer.emit]]`: a message for the outbox, built from the parameters.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Emit {
+    /// The topic, subject or queue the relay delivers it to (or `http`).
+    pub destination: Option<Spanned<String>>,
+    /// An HTTP request instead of a broker message: the relay sends the payload to the URL, with the event id as
+    /// `Idempotency-Key`.
+    pub http: Option<Spanned<HttpEmit>>,
+    /// The key (order per key): a parameter (`":account"`) or fixed text.
+    pub key: Option<Spanned<String>>,
+    /// The payload: a JSON template in which a string `":name"` is the parameter's value (`"::x"` is the text
+    /// `":x"`), or `":name"` alone for one parameter's value.
+    pub payload: Spanned<toml::Value>,
+    /// Headers: fixed text or `":name"`.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+}
+
+/// `http = { url = "https://…", method = "POST" }` of an emit.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpEmit {
+    /// The URL (`http://` or `https://`).
+    pub url: String,
+    /// The method (default `POST`).
+    pub method: Option<String>,
+}
+
+/// `[consumer.version_guard]`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VersionGuardSpec {
+    /// The entities' table.
+    pub table: String,
+    /// Its unique id column (default `id`).
+    #[serde(default = "id_column")]
+    pub id_column: String,
+    /// The column holding the last applied version.
+    pub version_column: String,
+    /// Where the event says which entity (`json:/orderId`).
+    pub entity: String,
+    /// Where the event says its version (`json:/version`).
+    pub version: String,
+}
+
+fn id_column() -> String {
+    "id".into()
+}
+
+/// A problem of the file: where it is and what to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// 1-based line, where known.
+    pub line: Option<usize>,
+    /// The key path (`consumer[0].effect[1].sql`).
+    pub key: String,
+    /// What is wrong and the fix.
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(line) = self.line {
+            write!(f, "{line}: ")?;
+        }
+        match self.key.as_str() {
+            "" => f.write_str(&self.message),
+            key => write!(f, "{key}: {}", self.message),
+        }
+    }
+}
+
+/// The configuration's text: the file, then one line per `IDEM_…__…` override, to turn byte spans into lines.
+#[derive(Debug, Clone)]
+pub struct Text {
+    all: String,
+    file_len: usize,
+    overrides: Vec<(Override, std::ops::Range<usize>)>,
+    origins: Origins,
+}
+
+impl Text {
+    /// The file's text with the overrides that apply to it.
+    pub fn new(file: String, overrides: Vec<Override>) -> Text {
+        let file_len = file.len();
+        let mut all = file;
+        if !all.ends_with('\n') {
+            all.push('\n');
+        }
+        let file_lines = all.bytes().filter(|&b| b == b'\n').count();
+        let overrides: Vec<_> = overrides
+            .into_iter()
+            .map(|o| {
+                let start = all.len();
+                all.push_str(&o.line());
+                all.push('\n');
+                (o, start..start + 1)
+            })
+            .collect();
+        let vars = overrides.iter().map(|(o, _)| o.var.clone()).collect();
+        Text { all, file_len, overrides, origins: Origins { file_lines, vars, keys: Vec::new() } }
+    }
+
+    /// Where each line came from.
+    pub fn origins(&self) -> &Origins {
+        &self.origins
+    }
+
+    /// The 1-based line of byte offset `at`.
+    pub fn line(&self, at: usize) -> usize {
+        line_in(&self.all, at)
+    }
+
+    /// A problem at `span`.
+    pub fn problem(&self, span: std::ops::Range<usize>, key: impl Into<String>, message: impl Into<String>) -> Problem {
+        Problem { line: Some(self.line(span.start)), key: key.into(), message: message.into() }
+    }
+}
+
+/// The 1-based line of byte offset `at` in `all`.
+fn line_in(all: &str, at: usize) -> usize {
+    all.as_bytes()[..at.min(all.len())].iter().filter(|&&b| b == b'\n').count() + 1
+}
+
+/// A problem of the TOML parser or of a value's shape, with its line, its key and the fix.
+fn toml_problem(all: &str, origins: &Origins, e: &toml::de::Error) -> Problem {
+    let line = e.span().map(|s| line_in(all, s.start));
+    let mut message = e.message().to_owned();
+    for rust in ["usize", "u64", "u32", "u16"] {
+        message = message.replace(&format!("expected {rust}"), "expected a whole number, 0 or more");
+    }
+    message = message.replace("expected i64", "expected a whole number");
+    let from_file = line.is_some_and(|l| l <= origins.file_lines);
+    // The key of the line at fault, when the line is `key = value`.
+    let key = line
+        .filter(|_| from_file)
+        .and_then(|l| all.lines().nth(l - 1))
+        .and_then(|l| l.split_once('='))
+        .map(|(k, _)| k.trim().trim_matches('"').to_owned())
+        .filter(|k| !k.is_empty() && !k.starts_with('['))
+        .unwrap_or_default();
+    let fix = if message.contains("unknown field") {
+        " (a misspelt key? the README's \"Use idem without writing Rust\" lists every key)"
+    } else if !from_file && message.contains("expected a string") {
+        " (the variable's value is read as TOML: quote a string that looks like a number or a boolean, e.g. \
+         '\"123\"')"
+    } else {
+        ""
+    };
+    Problem { line, key, message: format!("{message}{fix}") }
+}
+
+/// Parses the file and applies the overrides (noting in `text` which key each set); a syntax error, an unknown key
+/// or a wrong type is one problem with its line (or its variable).
+pub fn parse(text: &mut Text) -> Result<File, Problem> {
+    use serde::Deserialize;
+    let Text { all, file_len, overrides, origins } = text;
+    let at = |span: std::ops::Range<usize>, message: String| Problem {
+        line: Some(line_in(all, span.start)),
+        key: String::new(),
+        message,
+    };
+    let mut root = toml::de::DeTable::parse(&all[..*file_len]).map_err(|e| toml_problem(all, origins, &e))?;
+    for (o, span) in overrides.iter() {
+        let key = o.apply(root.get_mut(), span.clone()).map_err(|message| at(span.clone(), message))?;
+        origins.keys.push(key);
+    }
+    File::deserialize(toml::de::Deserializer::from(root)).map_err(|e| toml_problem(all, origins, &e))
+}
+
+/// Expands `${NAME}` and `${NAME:-default}` in `value` from the environment; a variable that is not set (and has
+/// no default) is a problem naming it.
+pub fn expand(value: &str) -> Result<String, String> {
+    let mut out = String::new();
+    let mut rest = value;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let end = after.find('}').ok_or_else(|| format!("`${{` at `{}` is not closed with `}}`", &rest[start..]))?;
+        let (name, default) = match after[..end].split_once(":-") {
+            Some((n, d)) => (n, Some(d)),
+            None => (&after[..end], None),
+        };
+        match (std::env::var(name), default) {
+            (Ok(v), _) => out.push_str(&v),
+            (Err(_), Some(d)) => out.push_str(d),
+            (Err(_), None) => {
+                return Err(format!(
+                    "the environment variable {name} is not set: export it, or write `${{{name}:-default}}`"
+                ));
+            }
+        }
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unknown_key_is_named_with_its_line() {
+        let mut text = Text::new(
+            "[database]\nurl = \"sqlite://x.db\"\n\n[[consumer]]\nname = \"a\"\nkey = \"broker-id\"\nbatch = 5\n"
+                .into(),
+            Vec::new(),
+        );
+        let problem = parse(&mut text).expect_err("refused");
+        assert_eq!(problem.line, Some(7), "{problem}");
+        assert!(problem.message.contains("unknown field `batch`"), "{problem}");
+    }
+
+    #[test]
+    fn environment_variables_expand_and_a_missing_one_is_named() {
+        // SAFETY: the test sets a variable no other test reads.
+        unsafe { std::env::set_var("IDEM_FILE_TEST_HOST", "db.internal") };
+        assert_eq!(
+            expand("postgres://app@${IDEM_FILE_TEST_HOST}:${IDEM_FILE_TEST_PORT:-5432}/x").as_deref(),
+            Ok("postgres://app@db.internal:5432/x")
+        );
+        let missing = expand("${IDEM_FILE_TEST_NOT_SET}").expect_err("refused");
+        assert!(missing.contains("IDEM_FILE_TEST_NOT_SET is not set"), "{missing}");
+        assert!(expand("${OPEN").is_err());
+    }
+}
