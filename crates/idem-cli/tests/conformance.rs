@@ -465,7 +465,7 @@ impl Worker {
     /// Like [`Worker::start`], with more `demo-worker` arguments.
     fn start_with(run: &Run, fault: Option<&str>, follow: bool, batch: usize, extra: &[&str]) -> Worker {
         let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
-        command.args(["--log", "error", "demo-worker"]).args(&run.worker_args).args(extra);
+        command.args(["--log", "warn", "demo-worker"]).args(&run.worker_args).args(extra);
         command.args(["--database-url", &run.url, "--batch-size", &batch.to_string()]);
         if follow {
             command.arg("--follow");
@@ -534,11 +534,22 @@ impl Worker {
         // Generous: the local SQS server slows down while the other tests run beside it.
         let deadline = Instant::now() + Duration::from_secs(300);
         while self.processed < n {
-            assert!(Instant::now() < deadline, "the consumer processed only {} of {n}", self.processed);
-            assert!(self.child.try_wait().unwrap().is_none(), "the consumer exited early");
+            if Instant::now() >= deadline {
+                panic!("the consumer processed only {} of {n}; its log:\n{}", self.processed, self.log());
+            }
+            if self.child.try_wait().unwrap().is_some() {
+                panic!("the consumer exited early; its log:\n{}", self.log());
+            }
             std::thread::sleep(Duration::from_millis(20));
             self.absorb();
         }
+    }
+
+    /// The last 80 lines of the process's standard error.
+    fn log(&self) -> String {
+        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(80)..].join("\n")
     }
 
     fn signal(&self, signal: i32) {

@@ -10,12 +10,13 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, Basi
 use lapin::types::{AMQPValue, FieldTable};
 use tokio::sync::mpsc;
 
-use super::{MESSAGE_ID_HEADER, RabbitConfig, connect};
+use super::{MESSAGE_ID_HEADER, RabbitConfig, answer, connect};
 use crate::error::Error;
 use crate::message::{AckHandle, Message};
 use crate::source::{Acknowledgement, Drained, Partition, Received, Source, SourceError};
 
-/// How long `recv` waits for a delivery before it checks whether the queues are empty (with `stop_at_end`).
+/// How long `recv` waits for a delivery before it checks whether the queues are empty (with `stop_at_end`) and
+/// whether the connection is still up.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
 
 /// What a queue's consumer task hands on.
@@ -34,11 +35,26 @@ struct Session {
 }
 
 impl Session {
+    /// Stops the consumers and closes the connection when it is still up (a dead one is left to drop: asking it
+    /// to close could wait for an answer that never comes).
     async fn close(self) {
         for consumer in &self.consumers {
             consumer.abort();
         }
-        let _ = self.connection.close(200, "idem: reconnecting".into()).await;
+        if self.connection.status().connected() {
+            let _ = answer("rabbitmq close", self.connection.close(200, "idem: reconnecting".into())).await;
+        }
+    }
+
+    /// Why the connection or the channel is no longer usable, if it is not.
+    fn broken(&self) -> Option<String> {
+        if !self.connection.status().connected() {
+            return Some("the connection is no longer open".to_owned());
+        }
+        if !self.channel.status().connected() {
+            return Some("the channel is no longer open".to_owned());
+        }
+        None
     }
 }
 
@@ -89,19 +105,16 @@ impl RabbitSource {
     /// Connects, sets the prefetch and starts a consumer on every queue.
     async fn open(&self) -> Result<Session, SourceError> {
         let connection = connect(&self.config.url).await.map_err(|e| SourceError::transient("rabbitmq connect", e))?;
-        let channel = connection.create_channel().await.map_err(|e| SourceError::transient("rabbitmq channel", e))?;
-        channel
-            .basic_qos(self.prefetch, BasicQosOptions { global: false })
-            .await
-            .map_err(|e| SourceError::transient("rabbitmq basic.qos", e))?;
+        let channel = answer("rabbitmq channel", connection.create_channel()).await?;
+        answer("rabbitmq basic.qos", channel.basic_qos(self.prefetch, BasicQosOptions { global: false })).await?;
         let (tx, arrivals) = mpsc::channel(usize::from(self.prefetch) * self.config.queues.len() + 16);
         let mut consumers = Vec::with_capacity(self.config.queues.len());
         for queue in &self.config.queues {
             let options = BasicConsumeOptions { no_ack: false, ..Default::default() };
-            let mut consumer = channel
-                .basic_consume(queue.as_str().into(), "".into(), options, FieldTable::default())
-                .await
-                .map_err(|e| SourceError::transient("rabbitmq basic.consume", format!("queue {queue}: {e}")))?;
+            let consuming = channel.basic_consume(queue.as_str().into(), "".into(), options, FieldTable::default());
+            let mut consumer =
+                answer("rabbitmq basic.consume", async { consuming.await.map_err(|e| format!("queue {queue}: {e}")) })
+                    .await?;
             let (tx, queue) = (tx.clone(), queue.clone());
             consumers.push(tokio::spawn(async move {
                 while let Some(delivery) = consumer.next().await {
@@ -124,11 +137,8 @@ impl RabbitSource {
     async fn all_empty(&self, session: &Session) -> Result<bool, SourceError> {
         for queue in &self.config.queues {
             let options = QueueDeclareOptions { passive: true, ..Default::default() };
-            let declared = session
-                .channel
-                .queue_declare(queue.as_str().into(), options, FieldTable::default())
-                .await
-                .map_err(|e| SourceError::transient("rabbitmq queue.declare", e))?;
+            let declaring = session.channel.queue_declare(queue.as_str().into(), options, FieldTable::default());
+            let declared = answer("rabbitmq queue.declare", declaring).await?;
             if declared.message_count() > 0 {
                 return Ok(false);
             }
@@ -231,7 +241,11 @@ impl Source for RabbitSource {
         loop {
             let current = match session.as_mut() {
                 Some(current) => current,
-                None => session.insert(self.open().await?),
+                None => {
+                    let opened = self.open().await?;
+                    tracing::info!(queues = ?self.config.queues, "rabbitmq: connected again, consuming");
+                    session.insert(opened)
+                }
             };
             let lost = match tokio::time::timeout(IDLE_CHECK, current.arrivals.recv()).await {
                 Ok(Some(Arrival::Delivery(queue, delivery))) => {
@@ -239,11 +253,15 @@ impl Source for RabbitSource {
                 }
                 Ok(Some(Arrival::Lost(reason))) => reason,
                 Ok(None) => "every consumer ended".to_owned(),
-                Err(_idle) if self.config.stop_at_end && self.all_empty(current).await? => {
-                    tracing::info!(queues = ?self.config.queues, "rabbitmq: every queue is empty");
-                    return Ok(None);
-                }
-                Err(_idle) => continue,
+                Err(_idle) => match current.broken() {
+                    // A connection can die without its consumers hearing of it: checked on every idle second.
+                    Some(reason) => reason,
+                    None if self.config.stop_at_end && self.all_empty(current).await? => {
+                        tracing::info!(queues = ?self.config.queues, "rabbitmq: every queue is empty");
+                        return Ok(None);
+                    }
+                    None => continue,
+                },
             };
             tracing::warn!(reason = %lost, "rabbitmq: connection, channel or consumer lost; draining, then connecting again");
             if let Some(old) = session.take() {
@@ -261,19 +279,19 @@ impl Source for RabbitSource {
             let Some(acker) = handle.get::<lapin::Acker>() else {
                 return Err(SourceError::permanent("rabbitmq ack", "a handle that is not a RabbitMQ delivery"));
             };
-            if self.config.dead_letter_exchange && ack.dead_lettered.contains(handle) {
+            let sent = if self.config.dead_letter_exchange && ack.dead_lettered.contains(handle) {
                 // Rejected without requeue: RabbitMQ routes it to the queue's x-dead-letter-exchange (or drops it
                 // when the queue has none), after idem's own dead-letter row committed.
-                acker
-                    .reject(BasicRejectOptions { requeue: false })
-                    .await
-                    .map_err(|e| SourceError::transient("rabbitmq reject", e))?;
-                continue;
+                answer("rabbitmq reject", acker.reject(BasicRejectOptions { requeue: false })).await?
+            } else {
+                answer("rabbitmq ack", acker.ack(BasicAckOptions { multiple: false })).await?
+            };
+            if !sent {
+                return Err(SourceError::transient(
+                    "rabbitmq ack",
+                    "the channel that delivered the message is gone; RabbitMQ delivers it again",
+                ));
             }
-            acker
-                .ack(BasicAckOptions { multiple: false })
-                .await
-                .map_err(|e| SourceError::transient("rabbitmq ack", e))?;
         }
         Ok(())
     }

@@ -13,7 +13,9 @@
 //! * **Loss of the connection, the channel or a consumer** (a broker restart, a queue deleted, a consumer
 //!   cancelled by the server): the source yields a revocation of its queues, so the engine finishes what it holds
 //!   (its acknowledgements then fail on the dead channel: those messages come again, flagged `redelivered`, and
-//!   are absorbed as duplicates), then connects again with backoff.
+//!   are absorbed as duplicates), then connects again with backoff. A connection that dies without its consumers
+//!   hearing of it is caught on the next idle second, and every request to the broker waits at most 15 s, so a
+//!   request the dead connection never answers cannot stall the consumer.
 //! * **Dead letters** are idem's: a message that fails for good is written to the dead-letter table in the same
 //!   transaction as its marker, then acknowledged, or, with [`RabbitConfig::dead_letter_exchange`], rejected
 //!   without requeue so RabbitMQ also routes it to the queue's `x-dead-letter-exchange`. That exchange still
@@ -37,7 +39,10 @@ pub use producer::RabbitProducer;
 /// the event id): `header:rabbitmq-message-id` keys on it.
 pub const MESSAGE_ID_HEADER: &str = "rabbitmq-message-id";
 
+use std::time::Duration;
+
 use crate::error::Error;
+use crate::source::SourceError;
 
 /// How to reach RabbitMQ and consume its queues.
 #[derive(Debug, Clone)]
@@ -108,6 +113,23 @@ impl RabbitConfig {
             ));
         }
         Ok(())
+    }
+}
+
+/// The longest wait for one answer of the broker (a channel, a consume, an acknowledgement, a close). A connection
+/// that dies at the wrong moment can leave a request of the client library unanswered for good; past this bound
+/// the request counts as failed, and the source connects again instead of waiting for ever.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Waits for `request` at most [`ANSWER_TIMEOUT`]; a failure or the timeout is a transient error of `context`.
+pub(super) async fn answer<T, E: std::fmt::Display>(
+    context: &'static str,
+    request: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, SourceError> {
+    match tokio::time::timeout(ANSWER_TIMEOUT, request).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(SourceError::transient(context, e)),
+        Err(_) => Err(SourceError::transient(context, format!("no answer within {} s", ANSWER_TIMEOUT.as_secs()))),
     }
 }
 

@@ -7,7 +7,7 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Confirmation};
 
-use super::connect;
+use super::{answer, connect};
 use crate::error::Error;
 use crate::message::{EVENT_ID_HEADER, Message};
 use crate::source::{Publisher, SourceError};
@@ -91,12 +91,10 @@ impl RabbitProducer {
             .with_message_id(event_id.as_str().into())
             .with_headers(table);
         let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
-        let confirm = self
-            .channel()
-            .await?
-            .basic_publish("".into(), queue.into(), options, payload, properties)
-            .await
-            .map_err(|e| SourceError::transient("rabbitmq publish", e))?;
+        let channel = self.channel().await?;
+        let confirm =
+            answer("rabbitmq publish", channel.basic_publish("".into(), queue.into(), options, payload, properties))
+                .await?;
         Ok((confirm, event_id))
     }
 }
@@ -104,16 +102,16 @@ impl RabbitProducer {
 /// A connection with a channel in confirm mode.
 async fn open(url: &str) -> Result<(lapin::Connection, lapin::Channel), Error> {
     let connection = connect(url).await?;
-    let channel = connection.create_channel().await.map_err(|e| Error::Config(format!("rabbitmq channel: {e}")))?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
+    let channel =
+        answer("rabbitmq channel", connection.create_channel()).await.map_err(|e| Error::Config(e.to_string()))?;
+    answer("rabbitmq confirm.select", channel.confirm_select(ConfirmSelectOptions::default()))
         .await
-        .map_err(|e| Error::Config(format!("rabbitmq confirm.select: {e}")))?;
+        .map_err(|e| Error::Config(e.to_string()))?;
     Ok((connection, channel))
 }
 
 async fn wait(confirm: lapin::PublisherConfirm, queue: &str) -> Result<(), SourceError> {
-    match confirm.await.map_err(|e| SourceError::transient("rabbitmq publish", e))? {
+    match answer("rabbitmq publish confirm", confirm).await? {
         Confirmation::Ack(None) => Ok(()),
         Confirmation::Ack(Some(_returned)) => Err(SourceError::permanent(
             "rabbitmq publish",
