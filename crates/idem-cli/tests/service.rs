@@ -286,6 +286,7 @@ async fn check_accepts_a_good_file_and_names_each_bad_one_with_its_line() {
         (good.clone() + "\n[[consumer.emit]]\nhttp = { url = \"ftp://x\" }\npayload = \":id\"\n", "not an http:// or https:// URL"),
         (good.clone() + "\n[[consumer.emit]]\npayload = \":nothing\"\n", "declare destination"),
         ("[database\nurl = 1".into(), ""),
+        (good.replace("name = \"ledger\"", "name = \"ledger\"\ngroup = \"ledger\\nv2\""), "holds a line break"),
     ];
     for (content, expected) in cases {
         let (ok, out) = check(&dir, &content, &[]);

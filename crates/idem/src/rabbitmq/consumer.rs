@@ -26,6 +26,9 @@ enum Arrival {
     Lost(String),
 }
 
+/// A channel, where its consumers' deliveries arrive, and the consumers' tasks.
+type Consuming = (lapin::Channel, mpsc::Receiver<Arrival>, Vec<tokio::task::JoinHandle<()>>);
+
 /// A connection with its channel and the consumers of every queue.
 struct Session {
     connection: lapin::Connection,
@@ -35,15 +38,12 @@ struct Session {
 }
 
 impl Session {
-    /// Stops the consumers and closes the connection when it is still up (a dead one is left to drop: asking it
-    /// to close could wait for an answer that never comes).
+    /// Stops the consumers and closes the connection.
     async fn close(self) {
         for consumer in &self.consumers {
             consumer.abort();
         }
-        if self.connection.status().connected() {
-            let _ = answer("rabbitmq close", self.connection.close(200, "idem: reconnecting".into())).await;
-        }
+        close(&self.connection).await;
     }
 
     /// Why the connection or the channel is no longer usable, if it is not.
@@ -55,6 +55,14 @@ impl Session {
             return Some("the channel is no longer open".to_owned());
         }
         None
+    }
+}
+
+/// Closes `connection` when it is still up (a dead one is left to drop: asking it to close could wait for an
+/// answer that never comes).
+async fn close(connection: &lapin::Connection) {
+    if connection.status().connected() {
+        let _ = answer("rabbitmq close", connection.close(200, "idem: reconnecting".into())).await;
     }
 }
 
@@ -82,18 +90,20 @@ impl RabbitSource {
         let connection = connect(&config.url).await?;
         for queue in &config.queues {
             // A passive declaration of a missing queue closes its channel: one channel per check.
-            let channel =
-                connection.create_channel().await.map_err(|e| Error::Config(format!("rabbitmq channel: {e}")))?;
+            let channel = answer("rabbitmq channel", connection.create_channel())
+                .await
+                .map_err(|e| Error::Config(e.to_string()))?;
             let options = QueueDeclareOptions { passive: true, ..Default::default() };
-            if let Err(e) = channel.queue_declare(queue.as_str().into(), options, FieldTable::default()).await {
+            let declaring = channel.queue_declare(queue.as_str().into(), options, FieldTable::default());
+            if let Err(e) = answer("rabbitmq queue.declare", declaring).await {
                 return Err(Error::Config(format!(
                     "rabbitmq queue {queue}: {e}. Fix: declare the queue (durable; a quorum queue for replication) or \
                      name an existing one"
                 )));
             }
-            let _ = channel.close(200, "".into()).await;
+            let _ = answer("rabbitmq channel close", channel.close(200, "".into())).await;
         }
-        let _ = connection.close(200, "".into()).await;
+        close(&connection).await;
         let prefetch = config.prefetch.unwrap_or_else(|| engine.batch_size.clamp(1, usize::from(u16::MAX)) as u16);
         let source = RabbitSource { config: config.clone(), prefetch, session: tokio::sync::Mutex::new(None) };
         let session = source.open().await.map_err(|e| Error::Config(e.to_string()))?;
@@ -105,6 +115,18 @@ impl RabbitSource {
     /// Connects, sets the prefetch and starts a consumer on every queue.
     async fn open(&self) -> Result<Session, SourceError> {
         let connection = connect(&self.config.url).await.map_err(|e| SourceError::transient("rabbitmq connect", e))?;
+        match self.consume(&connection).await {
+            Ok((channel, arrivals, consumers)) => Ok(Session { connection, channel, arrivals, consumers }),
+            Err(error) => {
+                // Its consumers, if some started, end with the connection.
+                close(&connection).await;
+                Err(error)
+            }
+        }
+    }
+
+    /// On `connection`: a channel with the prefetch, and a consumer on every queue feeding one channel of arrivals.
+    async fn consume(&self, connection: &lapin::Connection) -> Result<Consuming, SourceError> {
         let channel = answer("rabbitmq channel", connection.create_channel()).await?;
         answer("rabbitmq basic.qos", channel.basic_qos(self.prefetch, BasicQosOptions { global: false })).await?;
         let (tx, arrivals) = mpsc::channel(usize::from(self.prefetch) * self.config.queues.len() + 16);
@@ -130,7 +152,7 @@ impl RabbitSource {
                 let _ = tx.send(Arrival::Lost(format!("the consumer of queue {queue} was cancelled"))).await;
             }));
         }
-        Ok(Session { connection, channel, arrivals, consumers })
+        Ok((channel, arrivals, consumers))
     }
 
     /// Whether every queue is empty (ready messages; what this consumer holds is drained by the engine).

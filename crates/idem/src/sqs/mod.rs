@@ -176,14 +176,21 @@ fn is_loopback(endpoint: &str) -> bool {
 }
 
 /// An SQS client from the standard AWS configuration, with `endpoint` and `region` when given; TLS through
-/// rustls with ring.
+/// rustls with ring. Connecting waits at most 5 s and each request attempt 45 s (past the 20 s long poll).
 pub async fn client(endpoint: Option<&str>, region: Option<&str>) -> Result<aws_sdk_sqs::Client, Error> {
     use aws_config::{BehaviorVersion, Region};
     use aws_smithy_http_client::tls::{self, rustls_provider::CryptoMode};
 
     let http =
         aws_smithy_http_client::Builder::new().tls_provider(tls::Provider::Rustls(CryptoMode::Ring)).build_https();
-    let mut loader = aws_config::defaults(BehaviorVersion::latest()).http_client(http);
+    // Every request is bounded: a connection that dies without a word (no reset, no close) would otherwise hold a
+    // receive, a delete or a visibility extension for good. The attempt timeout lies well past the longest long
+    // poll (20 s); the SDK retries a timed-out attempt.
+    let timeouts = aws_config::timeout::TimeoutConfig::builder()
+        .connect_timeout(std::time::Duration::from_secs(5))
+        .operation_attempt_timeout(std::time::Duration::from_secs(45))
+        .build();
+    let mut loader = aws_config::defaults(BehaviorVersion::latest()).http_client(http).timeout_config(timeouts);
     if let Some(endpoint) = endpoint {
         loader = loader.endpoint_url(endpoint);
     }

@@ -1,0 +1,304 @@
+//! From the file to what runs: every value checked, every statement rendered for the database, each problem
+//! collected with its line, so one pass reports them all. Nothing here connects to anything. The database's
+//! checks are in `database`, the sources' in `source`, the statements' and the outbox messages' in `effects`.
+
+mod database;
+mod effects;
+mod source;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use idem::guard::StateMachineSpec;
+use idem::inbox::InboxConfig;
+use idem::{Config, KeyExtractor, PartitionPeriod, Tables};
+use serde::Deserialize as _;
+use toml::Spanned;
+
+pub use database::DatabasePlan;
+pub use effects::{EmitPlan, JsonPart, PlannedSql, TextPart};
+pub use source::SourcePlan;
+
+use super::file::{self, Consumer, File, Problem, Text, VersionGuardSpec};
+use super::overrides::Origins;
+use super::sql::Dialect;
+use super::value::Param;
+
+/// The checked file.
+#[derive(Debug)]
+pub struct Plan {
+    /// The database.
+    pub database: DatabasePlan,
+    /// Where the operations endpoint listens.
+    pub listen: Option<SocketAddr>,
+    /// The consumers.
+    pub consumers: Vec<ConsumerPlan>,
+    /// Where the lines named in problems came from (the file or an `IDEM_…__…` variable).
+    pub origins: Origins,
+}
+
+/// One consumer, ready to build.
+#[derive(Debug)]
+pub struct ConsumerPlan {
+    /// Its name.
+    pub name: String,
+    /// The line of its `[[consumer]]`.
+    pub line: usize,
+    /// The engine's configuration.
+    pub config: Config,
+    /// The source.
+    pub source: SourcePlan,
+    /// The declared parameters.
+    pub params: Vec<Param>,
+    /// Statements per event.
+    pub each: Vec<PlannedSql>,
+    /// Statements per batch (arrays).
+    pub bulk: Vec<PlannedSql>,
+    /// Outbox messages per applied event.
+    pub emits: Vec<EmitPlan>,
+    /// The version guard.
+    pub version_guard: Option<VersionGuardSpec>,
+    /// The state-machine guard.
+    pub state_machine: Option<StateMachineSpec>,
+    /// The line of the guards' declaration (the version guard's, else the state machine's).
+    pub guard_line: usize,
+    /// The Sequential Inbox.
+    pub inbox: Option<InboxConfig>,
+}
+
+/// Collects problems while the plan is built.
+struct Problems<'t> {
+    text: &'t Text,
+    found: Vec<Problem>,
+}
+
+impl Problems<'_> {
+    fn at<T>(&mut self, spanned: &Spanned<T>, key: &str, message: impl Into<String>) {
+        self.found.push(self.text.problem(spanned.span(), key, message));
+    }
+
+    fn line(&mut self, line: usize, key: &str, message: impl Into<String>) {
+        self.found.push(Problem { line: Some(line), key: key.into(), message: message.into() });
+    }
+}
+
+/// Checks the whole file and builds the plan, or returns every problem found.
+pub fn plan(text: &Text, file: File) -> Result<Plan, Vec<Problem>> {
+    let mut problems = Problems { text, found: Vec::new() };
+    let database = database::plan(&mut problems, &file.database);
+    let listen =
+        file.operations.listen.as_ref().and_then(|listen| {
+            let value = expanded(&mut problems, listen, "operations.listen")?;
+            value
+                .parse::<SocketAddr>()
+                .map_err(|_| {
+                    problems.at(listen, "operations.listen", format!(
+            "`{value}` is not an address: write host:port with an IP, e.g. 127.0.0.1:9464 or 0.0.0.0:9464"
+        ))
+                })
+                .ok()
+        });
+    if file.consumers.is_empty() {
+        problems.line(1, "consumer", "the file declares no [[consumer]]: add one (see the README's complete file)");
+    }
+    let mut names: Vec<&str> = Vec::new();
+    let mut consumers = Vec::new();
+    for (i, consumer) in file.consumers.iter().enumerate() {
+        let line = text.line(consumer.span().start);
+        let c = consumer.get_ref();
+        if names.contains(&c.name.as_str()) {
+            problems.line(
+                line,
+                &format!("consumer[{i}].name"),
+                format!("`{}` is declared twice: names are unique", c.name),
+            );
+        }
+        names.push(&c.name);
+        let dialect = database.as_ref().map_or(Dialect::Postgres, |d| d.dialect);
+        let tables = database.as_ref().map(|d| d.tables.clone());
+        if let Some(plan) = consumer_plan(&mut problems, i, line, c, dialect, tables) {
+            consumers.push(plan);
+        }
+    }
+    let mut groups: Vec<&str> = Vec::new();
+    for c in &consumers {
+        if groups.contains(&c.config.group.as_str()) {
+            problems.line(c.line, &format!("consumer `{}`.group", c.name), format!(
+                "the group `{}` is already another consumer's: two consumers of one group would share markers; give \
+                 each its own group (run several processes of one file to scale one consumer out)",
+                c.config.group
+            ));
+        }
+        groups.push(&c.config.group);
+    }
+    problems.found.sort_by_key(|p| p.line);
+    match (database, problems.found.is_empty()) {
+        (Some(database), true) => Ok(Plan { database, listen, consumers, origins: text.origins().clone() }),
+        _ => Err(problems.found),
+    }
+}
+
+fn expanded(problems: &mut Problems<'_>, value: &Spanned<String>, key: &str) -> Option<String> {
+    file::expand(value.get_ref()).map_err(|e| problems.at(value, key, e)).ok()
+}
+
+fn duration(problems: &mut Problems<'_>, value: &Spanned<String>, key: &str) -> Option<Duration> {
+    idem::duration::parse(value.get_ref()).map_err(|e| problems.at(value, key, e.to_string())).ok()
+}
+
+fn consumer_plan(
+    problems: &mut Problems<'_>,
+    i: usize,
+    line: usize,
+    c: &Consumer,
+    dialect: Dialect,
+    tables: Option<Tables>,
+) -> Option<ConsumerPlan> {
+    let before = problems.found.len();
+    let here = |field: &str| format!("consumer `{}`.{field}", c.name);
+    if c.name.trim().is_empty() {
+        problems.line(line, &format!("consumer[{i}].name"), "is empty: name the consumer");
+    }
+    let key =
+        c.key.get_ref().parse::<KeyExtractor>().map_err(|e| problems.at(&c.key, &here("key"), e.to_string())).ok();
+    let group = c.group.clone().unwrap_or_else(|| c.name.clone());
+    // The group names the markers' rows and every log line and metric: a line break or a control character in it
+    // would split a log line and make a label no dashboard can match.
+    for (field, value) in [("name", Some(&c.name)), ("group", c.group.as_ref())] {
+        let Some(value) = value else { continue };
+        if value.chars().any(char::is_control) {
+            problems.line(
+                line,
+                &here(field),
+                format!("{value:?} holds a line break or another control character: use printable characters"),
+            );
+        }
+    }
+    let mut config = Config::new(group, key.clone().unwrap_or(KeyExtractor::BrokerId));
+    if let Some(tables) = tables {
+        config = config.tables(tables);
+    }
+    if let Some(n) = &c.batch_size {
+        config = config.batch_size(*n.get_ref());
+    }
+    if let Some(n) = &c.max_attempts {
+        config = config.max_attempts(*n.get_ref());
+    }
+    if let Some(r) = &c.marker_retention
+        && let Some(d) = duration(problems, r, &here("marker_retention"))
+    {
+        config = config.marker_retention(d);
+    }
+    if let Some(layout) = &c.layout {
+        let period = match layout.get_ref().as_str() {
+            "plain" => None,
+            "partitioned-day" => Some(PartitionPeriod::Day),
+            "partitioned-month" => Some(PartitionPeriod::Month),
+            other => {
+                problems.at(
+                    layout,
+                    &here("layout"),
+                    format!("`{other}` is no layout: use plain, partitioned-day or partitioned-month"),
+                );
+                None
+            }
+        };
+        if let Some(period) = period {
+            if dialect == Dialect::Sqlite {
+                problems.at(layout, &here("layout"), "partitioned markers need PostgreSQL: use plain on SQLite");
+            }
+            match &c.redelivery_window {
+                None => problems.at(
+                    layout,
+                    &here("redelivery_window"),
+                    "a partitioned layout needs redelivery_window (how long the broker may redeliver, e.g. \"7d\"): \
+                     whole partitions are dropped only once older than it",
+                ),
+                Some(w) => {
+                    if let Some(w) = duration(problems, w, &here("redelivery_window")) {
+                        config = config.partitioned(period, w);
+                    }
+                }
+            }
+        }
+    }
+    if let Err(e) = config.validate() {
+        // At the key the error is about, where the file has it.
+        let message = e.to_string();
+        match (&c.batch_size, &c.max_attempts) {
+            (Some(n), _) if message.contains("batch_size") => problems.at(n, &here("batch_size"), message),
+            (_, Some(n)) if message.contains("max_attempts") => problems.at(n, &here("max_attempts"), message),
+            _ => problems.line(line, &here("configuration"), message),
+        }
+    }
+    let source = source::plan(problems, line, c, &here);
+    if key == Some(KeyExtractor::BrokerId)
+        && let Some(broker @ ("rabbitmq" | "sqs")) = source.as_ref().and_then(SourcePlan::unstable_offsets)
+    {
+        problems.at(
+            &c.key,
+            &here("key"),
+            format!(
+                "broker-id is refused on {broker}: it has no offset that stays the same for a message, so two messages \
+             could share an id, or one message look new on each delivery; key on the producer's event id \
+             (header:idem-event-id) or a business key in the payload (json:/…)"
+            ),
+        );
+    }
+    let (params, each, bulk, emits) = effects::plan(problems, c, dialect, &here);
+    if c.effects.is_empty() && c.bulk.is_empty() && c.emits.is_empty() {
+        problems.line(
+            line,
+            &here("effect"),
+            "the consumer has no [[consumer.effect]], [[consumer.bulk]] or \
+             [[consumer.emit]]: it would only mark events seen; declare what each event does",
+        );
+    }
+    let state_machine = c.state_machine.as_ref().and_then(|table| {
+        let spec = StateMachineSpec::deserialize(table.get_ref().clone())
+            .map_err(|e| e.to_string())
+            .and_then(|s: StateMachineSpec| s.validate().map(|()| s).map_err(|e| e.to_string()));
+        spec.map_err(|e| problems.at(table, &here("state_machine"), e)).ok()
+    });
+    let inbox = c.inbox.as_ref().and_then(|table| {
+        if dialect == Dialect::Sqlite {
+            problems.line(line, &here("inbox"), "the Sequential Inbox needs PostgreSQL");
+            return None;
+        }
+        if !bulk.is_empty() {
+            problems.line(
+                line,
+                &here("inbox"),
+                "the Sequential Inbox hands over one event at a time: declare the \
+                 statements as [[consumer.effect]], not [[consumer.bulk]]",
+            );
+        }
+        let text = toml::to_string(table.get_ref()).unwrap_or_default();
+        InboxConfig::from_toml(&text).map_err(|e| problems.at(table, &here("inbox"), e.to_string())).ok()
+    });
+    (problems.found.len() == before).then(|| ConsumerPlan {
+        name: c.name.clone(),
+        line,
+        config,
+        source: source.expect("no problem means a source"),
+        params,
+        each,
+        bulk,
+        emits,
+        guard_line: c
+            .version_guard
+            .as_ref()
+            .map(|v| v.span())
+            .or_else(|| c.state_machine.as_ref().map(|s| s.span()))
+            .map_or(line, |span| problems.text.line(span.start)),
+        version_guard: c.version_guard.as_ref().map(|v| v.get_ref()).map(|v| VersionGuardSpec {
+            table: v.table.clone(),
+            id_column: v.id_column.clone(),
+            version_column: v.version_column.clone(),
+            entity: v.entity.clone(),
+            version: v.version.clone(),
+        }),
+        state_machine,
+        inbox,
+    })
+}
