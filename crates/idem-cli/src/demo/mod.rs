@@ -22,11 +22,13 @@ mod chain;
 mod events;
 mod service;
 mod summary;
+mod transport;
 mod worker;
 
-use events::{Plan, generate, write_embedded};
+use events::{Plan, generate};
 pub use events::{ProduceArgs, Rng, produce, write_kafka, write_nats, write_rabbitmq};
 use summary::{Summary, print_summary};
+use transport::Transport;
 use worker::CommitReport;
 pub use worker::{WorkerArgs, report_commit, worker};
 
@@ -103,66 +105,6 @@ pub struct DemoArgs {
     json: bool,
 }
 
-/// Where the demo's events travel.
-enum Transport {
-    Embedded(PathBuf),
-    Kafka { brokers: String, topic: String, group: String },
-    Nats { url: String, stream: String, group: String, partitions: i32 },
-    Rabbitmq { url: String, queues: Vec<String>, group: String },
-    Sqs { endpoint: String, queue: String, group: String, partitions: i32 },
-}
-
-impl Transport {
-    fn worker_args(&self) -> Vec<String> {
-        match self {
-            Transport::Embedded(dir) => vec!["--log-dir".into(), dir.display().to_string()],
-            Transport::Kafka { brokers, topic, group } => vec![
-                "--kafka".into(),
-                brokers.clone(),
-                "--topic".into(),
-                topic.clone(),
-                "--group".into(),
-                group.clone(),
-                "--kafka-setting".into(),
-                "session.timeout.ms=6000".into(),
-            ],
-            // AckWait 3 s: what a killed consumer held comes again 3 s later.
-            Transport::Nats { url, stream, group, partitions } => vec![
-                "--nats".into(),
-                url.clone(),
-                "--topic".into(),
-                stream.clone(),
-                "--group".into(),
-                group.clone(),
-                "--ack-wait-secs".into(),
-                "3".into(),
-                "--nats-partitions".into(),
-                partitions.to_string(),
-            ],
-            // Batches of at most 3 s: the queue's visibility timeout.
-            Transport::Sqs { endpoint, queue, group, partitions } => vec![
-                "--sqs".into(),
-                endpoint.clone(),
-                "--topic".into(),
-                queue.clone(),
-                "--group".into(),
-                group.clone(),
-                "--max-batch-secs".into(),
-                SQS_VISIBILITY.as_secs().to_string(),
-                "--sqs-partitions".into(),
-                partitions.to_string(),
-            ],
-            Transport::Rabbitmq { url, queues, group } => {
-                let mut args = vec!["--rabbitmq".into(), url.clone(), "--group".into(), group.clone()];
-                for queue in queues {
-                    args.extend(["--queue".to_owned(), queue.clone()]);
-                }
-                args
-            }
-        }
-    }
-}
-
 /// `idem demo`.
 pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     validate(&args)?;
@@ -191,45 +133,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     }
     let (plan, records) = generate(args.events, args.duplicates, seed);
     let run_id = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
-    let transport = match (&args.kafka, &args.nats) {
-        (None, None) if args.sqs.is_some() => {
-            let endpoint = args.sqs.clone().unwrap_or_default();
-            let (queue, group) = (format!("idem-demo-{run_id}.fifo"), format!("{GROUP}-{run_id}"));
-            let written = crate::sqs::write_demo_queue(&endpoint, &queue, SQS_VISIBILITY, &records)
-                .await
-                .context("producing the events to SQS");
-            if let Err(error) = written {
-                crate::sqs::remove_demo_queue(&endpoint, &queue).await;
-                return Err(error);
-            }
-            Transport::Sqs { endpoint, queue, group, partitions: args.partitions }
-        }
-        (None, None) if args.rabbitmq.is_some() => {
-            let url = args.rabbitmq.clone().unwrap_or_default();
-            let queues: Vec<String> = (0..args.partitions).map(|p| format!("idem-demo-{run_id}-{p}")).collect();
-            let group = format!("{GROUP}-{run_id}");
-            let written = write_rabbitmq(&url, &queues, &records).await.context("producing the events to RabbitMQ");
-            if let Err(error) = written {
-                remove_rabbitmq_queues(&url, &queues).await;
-                return Err(error);
-            }
-            Transport::Rabbitmq { url, queues, group }
-        }
-        (Some(brokers), _) => {
-            let (topic, group) = (format!("idem-demo-{run_id}"), format!("{GROUP}-{run_id}"));
-            write_kafka(brokers, &topic, args.partitions, &records).await.context("producing the events to Kafka")?;
-            Transport::Kafka { brokers: brokers.clone(), topic, group }
-        }
-        (None, Some(url)) => {
-            let (stream, group) = (format!("idem-demo-{run_id}"), format!("{GROUP}-{run_id}"));
-            write_nats(url, &stream, &records).await.context("producing the events to NATS JetStream")?;
-            Transport::Nats { url: url.clone(), stream, group, partitions: args.partitions }
-        }
-        (None, None) => {
-            write_embedded(&log_dir, args.partitions, &records).context("producing the events")?;
-            Transport::Embedded(log_dir.clone())
-        }
-    };
+    let transport = Transport::produce(&args, run_id, &log_dir, &records).await?;
     if !args.json {
         eprintln!(
             "produced {} events ({} sent twice by the producer, {} poison) into {} partitions; consuming with {} crash(es)…",
@@ -261,12 +165,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     if let (Some(topic), Ok(())) = (&announce, &consumed) {
         consumed = chain::relay_and_apply(&args, &transport, topic, &url, &plan, seed, &mut summary).await;
     }
-    match &transport {
-        Transport::Nats { url, stream, .. } => remove_nats_stream(url, stream).await,
-        Transport::Rabbitmq { url, queues, .. } => remove_rabbitmq_queues(url, queues).await,
-        Transport::Sqs { endpoint, queue, .. } => crate::sqs::remove_demo_queue(endpoint, queue).await,
-        Transport::Embedded(_) | Transport::Kafka { .. } => {}
-    }
+    transport.remove().await;
     consumed?;
     verify(&db, &plan, &mut summary).await?;
     if args.chain {
@@ -279,28 +178,6 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     print_summary(&summary, args.json)?;
     Ok(if summary.ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
-
-#[cfg(feature = "nats")]
-async fn remove_nats_stream(url: &str, stream: &str) {
-    if let Err(error) = idem::nats::delete_stream(url, stream).await {
-        eprintln!("warning: the demo's stream {stream} was not removed: {error}");
-    }
-}
-
-#[cfg(not(feature = "nats"))]
-async fn remove_nats_stream(_: &str, _: &str) {}
-
-#[cfg(feature = "rabbitmq")]
-async fn remove_rabbitmq_queues(url: &str, queues: &[String]) {
-    for queue in queues {
-        if let Err(error) = idem::rabbitmq::delete_queue(url, queue).await {
-            eprintln!("warning: the demo's queue {queue} was not removed: {error}");
-        }
-    }
-}
-
-#[cfg(not(feature = "rabbitmq"))]
-async fn remove_rabbitmq_queues(_: &str, _: &[String]) {}
 
 fn validate(args: &DemoArgs) -> anyhow::Result<()> {
     validate_events(args.events, args.duplicates, args.partitions)?;
