@@ -46,7 +46,10 @@ struct HeadersMut<'a>(&'a mut Vec<(String, Vec<u8>)>);
 impl Injector for HeadersMut<'_> {
     fn set(&mut self, key: &str, value: String) {
         self.0.retain(|(name, _)| !name.eq_ignore_ascii_case(key));
-        self.0.push((key.to_owned(), value.into_bytes()));
+        // An empty `tracestate` (the usual case) says nothing, and SQS refuses a message attribute without a value.
+        if !value.is_empty() {
+            self.0.push((key.to_owned(), value.into_bytes()));
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use sqlx::{PgConnection, SqliteConnection};
 
 use super::plan::{ConsumerPlan, EmitPlan, PlannedSql};
 use super::sql::Rendered;
-use super::value::{Param, ParamType, Value};
+use super::value::{self, Param, ParamType, Value};
 
 /// What the service needs of a database beyond idem's stores: running a rendered statement with its values.
 pub trait ServiceDb: GuardStore + OutboxStore {
@@ -180,6 +180,8 @@ impl ServiceDb for sqlx::Sqlite {
 /// A consumer's effects, as a handler.
 pub struct Configured<DB: ServiceDb> {
     params: Arc<[Param]>,
+    /// Whether a parameter reads the payload as JSON (else it is not parsed).
+    reads_json: bool,
     each: Vec<PlannedSql>,
     bulk: Vec<PlannedSql>,
     emits: Vec<EmitPlan>,
@@ -212,8 +214,14 @@ impl<DB: ServiceDb> Configured<DB> {
             Some(spec) => Some(StateMachine::new(pool, spec.clone()).await?),
             None => None,
         };
+        let reads_json = plan.params.iter().any(|p| match p.from {
+            value::From::Json(_) => true,
+            value::From::Payload => p.ty == ParamType::Json,
+            _ => false,
+        });
         Ok(Configured {
             params: plan.params.clone().into(),
+            reads_json,
             each: plan.each.clone(),
             bulk: plan.bulk.clone(),
             emits: plan.emits.clone(),
@@ -230,7 +238,8 @@ impl<DB: ServiceDb> Configured<DB> {
 
     /// The event's parameter values, or the permanent error naming the one that does not convert.
     fn values(&self, event: &Event) -> Result<Vec<Value>, HandlerError> {
-        let payload: Option<serde_json::Value> = serde_json::from_slice(event.payload()).ok();
+        let payload: Option<serde_json::Value> =
+            if self.reads_json { serde_json::from_slice(event.payload()).ok() } else { None };
         self.params.iter().map(|p| p.value(event, payload.as_ref())).collect()
     }
 

@@ -63,11 +63,19 @@ impl<D: Delivery> Delivery for HttpOr<D> {
     async fn deliver(&self, messages: &[OutboxMessage]) -> Vec<Delivered> {
         let (http, other): (Vec<usize>, Vec<usize>) =
             (0..messages.len()).partition(|&i| is_http(&messages[i].destination));
+        // All to one side (the usual case): handed on as they are, without copies.
+        if messages.is_empty() {
+            return Vec::new();
+        }
+        if http.is_empty() {
+            return self.1.deliver(messages).await;
+        }
+        if other.is_empty() {
+            return self.0.deliver(messages).await;
+        }
         let pick = |indexes: &[usize]| indexes.iter().map(|&i| messages[i].clone()).collect::<Vec<_>>();
-        let (http_results, other_results) = tokio::join!(
-            async { if http.is_empty() { Vec::new() } else { self.0.deliver(&pick(&http)).await } },
-            async { if other.is_empty() { Vec::new() } else { self.1.deliver(&pick(&other)).await } },
-        );
+        let (to_http, to_other) = (pick(&http), pick(&other));
+        let (http_results, other_results) = tokio::join!(self.0.deliver(&to_http), self.1.deliver(&to_other));
         let mut results = vec![Delivered::Held; messages.len()];
         for (i, r) in http.into_iter().zip(http_results).chain(other.into_iter().zip(other_results)) {
             results[i] = r;

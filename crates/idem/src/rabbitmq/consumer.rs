@@ -213,9 +213,7 @@ fn stable_offset(message_id: Option<&str>, routing_key: &lapin::types::ShortStri
             .chain_update(body)
             .finalize(),
     };
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&digest[..8]);
-    i64::from_be_bytes(first) & i64::MAX
+    crate::store::offset_from_digest(&digest)
 }
 
 /// The reason to dead-letter a delivery whose `x-delivery-count` (a quorum queue's count of earlier failed

@@ -251,10 +251,7 @@ impl SqsSource {
 /// recognised as the same dead letter when it comes again.
 fn offset_of(id: &str) -> i64 {
     use sha2::Digest;
-    let digest = sha2::Sha256::digest(id.as_bytes());
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&digest[..8]);
-    i64::from_be_bytes(first) & i64::MAX
+    crate::store::offset_from_digest(&sha2::Sha256::digest(id.as_bytes()))
 }
 
 /// A failed call while consuming: gone queues and refused rights do not pass by retrying; the rest may.

@@ -207,6 +207,14 @@ pub fn payload_digest(payload: &[u8]) -> Vec<u8> {
     sha2::Sha256::digest(payload).to_vec()
 }
 
+/// A message's offset for a broker without offsets (RabbitMQ, SQS): the first 63 bits of a SHA-256 `digest` of
+/// what identifies the message, the same on every delivery of it.
+pub(crate) fn offset_from_digest(digest: &[u8]) -> i64 {
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first) & i64::MAX
+}
+
 /// Compares a stored marker with the event claiming it again.
 pub(crate) fn judge_existing(stored_digest: Option<&[u8]>, first: String, event: &Event) -> Claim {
     match stored_digest {
