@@ -41,6 +41,9 @@ pub struct Config {
     /// What decides that an event was applied already: idem's marker (the default) or the handler's own unique
     /// insert ([`Dedup::NaturalKey`]).
     pub dedup: Dedup,
+    /// How long a partition may hold work without a commit before it counts as stalled: logged at WARN, shown by
+    /// the gauge `partition_stalled_seconds` and by [`crate::Engine::health`] (and `/readyz`). Default 60 s.
+    pub stall_after: Duration,
 }
 
 /// What decides that an event was applied already.
@@ -175,6 +178,7 @@ impl Config {
             layout: MarkerLayout::Plain,
             kill_switch: crate::kill_switch::KillSwitch::default(),
             dedup: Dedup::Markers,
+            stall_after: Duration::from_secs(60),
         }
     }
 
@@ -224,6 +228,12 @@ impl Config {
         self
     }
 
+    /// Sets [`Config::stall_after`].
+    pub fn stall_after(mut self, after: Duration) -> Self {
+        self.stall_after = after;
+        self
+    }
+
     /// Sets [`Config::id_reuse`].
     pub fn id_reuse(mut self, policy: IdReusePolicy) -> Self {
         self.id_reuse = policy;
@@ -246,6 +256,11 @@ impl Config {
                 "batch_size = {} is out of range: use 1 (one transaction per message) up to 10000",
                 self.batch_size
             )));
+        }
+        if self.stall_after.is_zero() {
+            return Err(Error::Config(
+                "stall_after = 0 would call every partition with work stalled: use a duration such as 60s".into(),
+            ));
         }
         if self.max_attempts == 0 {
             return Err(Error::Config("max_attempts = 0: use at least 1".into()));

@@ -39,11 +39,18 @@ pub struct Readiness {
     /// Partitions with a worker, for a consumer.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub partitions: Option<u64>,
+    /// Partitions that hold work and have not committed for the consumer's `stall_after`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub stalled: Vec<crate::Stalled>,
 }
 
 impl Readiness {
     fn not(reason: &str) -> Self {
-        Readiness { ready: false, reason: reason.to_owned(), partitions: None }
+        Readiness { ready: false, reason: reason.to_owned(), partitions: None, stalled: Vec::new() }
+    }
+
+    fn ready(partitions: Option<u64>) -> Self {
+        Readiness { ready: true, reason: String::new(), partitions, stalled: Vec::new() }
     }
 }
 
@@ -72,7 +79,26 @@ impl<DB: Backend> Probe for Engine<DB> {
                 "paused: the kill switch tripped (see the consumer's log); POST /resume to try again now",
             );
         }
-        Readiness { ready: true, reason: String::new(), partitions: Some(health.partitions) }
+        if !health.stalled.is_empty() {
+            let named: Vec<String> = health
+                .stalled
+                .iter()
+                .map(|s| format!("{}/{} ({} s, {} waiting)", s.topic, s.partition, s.seconds, s.waiting))
+                .collect();
+            let reason = format!(
+                "stalled: {} held work without a commit for {:?} or more (the other partitions go on; the consumer's \
+                 retry warnings name the event at fault)",
+                named.join(", "),
+                self.config().stall_after
+            );
+            return Readiness {
+                ready: false,
+                reason,
+                partitions: Some(health.partitions),
+                stalled: health.stalled,
+            };
+        }
+        Readiness::ready(Some(health.partitions))
     }
 
     fn resume(&self) -> Option<bool> {
@@ -88,16 +114,18 @@ impl<P: Probe> Probe for Vec<P> {
     async fn readiness(&self) -> Readiness {
         let mut partitions = 0;
         let mut reasons = Vec::new();
+        let mut stalled = Vec::new();
         for probe in self {
             let r = probe.readiness().await;
             partitions += r.partitions.unwrap_or(0);
+            stalled.extend(r.stalled);
             if !r.ready {
                 reasons.push(r.reason);
             }
         }
         match reasons.is_empty() {
-            true => Readiness { ready: true, reason: String::new(), partitions: Some(partitions) },
-            false => Readiness { ready: false, reason: reasons.join("; "), partitions: None },
+            true => Readiness::ready(Some(partitions)),
+            false => Readiness { ready: false, reason: reasons.join("; "), partitions: None, stalled },
         }
     }
 
@@ -122,7 +150,7 @@ impl<DB: sqlx::Database> Probe for DatabaseProbe<DB> {
             Err(_) => false,
         };
         if reachable {
-            Readiness { ready: true, reason: String::new(), partitions: None }
+            Readiness::ready(None)
         } else {
             Readiness::not("database unreachable")
         }

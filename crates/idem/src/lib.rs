@@ -111,13 +111,13 @@ pub mod telemetry;
 pub mod testing;
 
 pub use config::{Config, Dedup, IdReusePolicy, MarkerLayout, PartitionPeriod, Partitioning, Pruning};
-pub use engine::{Committed, Engine, Health, Outcome, StatsSnapshot};
+pub use engine::{Committed, Engine, Health, Outcome, Stalled, StatsSnapshot};
 pub use error::{Error, HandlerError, Retry};
 pub use handler::{BatchHandler, Handler};
 pub use key::{KeyExtractor, MissingKey};
 pub use kill_switch::KillSwitch;
 pub use message::{AckHandle, Event, Handled, Message};
-pub use source::{Acknowledgement, Publisher, Received, Source, SourceError};
+pub use source::{Acknowledgement, PausePartitions, Publisher, Received, Source, SourceError};
 /// The sqlx version idem is built with; handlers use its `PgConnection` and `SqliteConnection`.
 pub use sqlx;
 pub use sqlx::{Postgres, Sqlite};

@@ -76,6 +76,9 @@ pub struct Consumer {
     pub batch_size: Option<Spanned<usize>>,
     /// Attempts of a transaction that fails retryably before its message is dead-lettered (default 10).
     pub max_attempts: Option<Spanned<u32>>,
+    /// How long a partition may hold work without a commit before it counts as stalled (`60s`, the default):
+    /// logged, in `partition_stalled_seconds` and in `/readyz`.
+    pub stall_after: Option<Spanned<String>>,
     /// How long markers are kept (`8d`); the retention guard checks it against the broker at start-up.
     pub marker_retention: Option<Spanned<String>>,
     /// `plain` (default), `partitioned-day` or `partitioned-month` (PostgreSQL).

@@ -12,7 +12,7 @@ use super::{
     write_offset,
 };
 use crate::message::Message;
-use crate::source::{Acknowledgement, Partition, Received, Source, SourceError};
+use crate::source::{Acknowledgement, Partition, PausePartitions, Received, Source, SourceError};
 
 /// Records read from one partition per refill, at most.
 const READ_CHUNK: usize = 256;
@@ -76,7 +76,13 @@ impl EmbeddedLog {
             group: group.to_owned(),
             options,
             assignment,
-            state: Mutex::new(ConsumerState { parts, buffer: VecDeque::new(), next_part: 0, pending: None }),
+            state: Mutex::new(ConsumerState {
+                parts,
+                buffer: VecDeque::new(),
+                next_part: 0,
+                pending: None,
+                paused: Default::default(),
+            }),
         })
     }
 
@@ -154,6 +160,8 @@ struct ConsumerState {
     next_part: usize,
     /// An error met while refilling, returned once the messages read before it are delivered.
     pending: Option<SourceError>,
+    /// Partitions the engine paused: not read until resumed.
+    paused: std::collections::HashSet<Partition>,
 }
 
 #[derive(Debug)]
@@ -238,6 +246,9 @@ impl ConsumerState {
                 break;
             }
             let index = (self.next_part + i) % count;
+            if self.paused.contains(&self.parts[index].partition) {
+                continue;
+            }
             self.parts[index].read_into(chunk, &mut self.buffer)?;
         }
         self.next_part = (self.next_part + 1) % count;
@@ -274,22 +285,44 @@ impl LogConsumer {
     }
 }
 
+/// Pausing a partition stops reading it from its file; what was read ahead is still delivered.
+impl PausePartitions for LogConsumer {
+    fn pause(&self, partitions: &[Partition]) -> Result<(), SourceError> {
+        lock(&self.state)?.paused.extend(partitions.iter().cloned());
+        Ok(())
+    }
+
+    fn resume(&self, partitions: &[Partition]) -> Result<(), SourceError> {
+        let mut state = lock(&self.state)?;
+        for partition in partitions {
+            state.paused.remove(partition);
+        }
+        Ok(())
+    }
+}
+
 impl Source for LogConsumer {
     /// The next message of the owned partitions, in offset order per partition. At the end of every partition,
-    /// `Ok(None)` with [`ConsumerOptions::stop_at_end`]; otherwise waits for new messages.
+    /// `Ok(None)` with [`ConsumerOptions::stop_at_end`] (once no partition is paused); otherwise waits for new
+    /// messages.
     async fn recv(&self) -> Result<Option<Received>, SourceError> {
         loop {
-            {
+            let paused = {
                 let mut state = lock(&self.state)?;
                 if let Some(message) = state.next(self.options.max_buffered)? {
                     return Ok(Some(Received::Message(message)));
                 }
-            }
-            if self.options.stop_at_end {
+                !state.paused.is_empty()
+            };
+            if self.options.stop_at_end && !paused {
                 return Ok(None);
             }
             tokio::time::sleep(self.options.poll_interval).await;
         }
+    }
+
+    fn pausing(&self) -> Option<&dyn PausePartitions> {
+        Some(self)
     }
 
     /// Persists `offset + 1` as the group's committed offset of the partition. Acknowledgements that would not

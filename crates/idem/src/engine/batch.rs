@@ -10,7 +10,7 @@ use tracing::Instrument;
 use super::Engine;
 use super::apply::Apply;
 use super::outcome::Outcome;
-use super::retry::{GaveUp, Retrying, Shutdown, retry};
+use super::retry::{GaveUp, Located, One, Retrying, Shutdown, Subject, retry};
 use super::transaction::Failure;
 use crate::error::{Error, HandlerError};
 use crate::key::MissingKey;
@@ -52,6 +52,21 @@ pub(super) enum Attempted {
 enum Step {
     Range(Range<usize>),
     DeadLetter { index: usize, reason: String, attempts: u32 },
+}
+
+/// A batch's retry log lines name the message at fault, or the first of the batch.
+impl Subject for &[Item] {
+    fn locate(&self, at: Option<usize>) -> (Located<'_>, usize) {
+        let item = at.and_then(|i| self.get(i)).or_else(|| self.first());
+        let located = match item {
+            Some(item) => {
+                let m = item.message();
+                Located { event_id: key_of(item).unwrap_or(""), topic: &m.topic, partition: m.partition, offset: m.offset }
+            }
+            None => Located { event_id: "", topic: "", partition: 0, offset: -1 },
+        };
+        (located, self.len())
+    }
 }
 
 pub(super) fn key_of(item: &Item) -> Option<&str> {
@@ -201,7 +216,8 @@ impl<DB: Backend> Engine<DB> {
         shutdown: &Shutdown,
     ) -> Result<Attempted, Error> {
         let config = &self.inner.config;
-        let retrying = Retrying { group: &config.group, what: "the batch", on_retry: &|| self.count_retry(items) };
+        let retrying =
+            Retrying { group: &config.group, what: "the batch", subject: &items, on_retry: &|| self.count_retry(items) };
         let topic = items.first().map_or("", |i| i.message().topic.as_str());
         let batch = tracing::info_span!(
             "idem.batch",
@@ -257,7 +273,8 @@ impl<DB: Backend> Engine<DB> {
         shutdown: &Shutdown,
     ) -> Result<Outcome, Error> {
         let config = &self.inner.config;
-        let retrying = Retrying { group: &config.group, what: "the dead letter", on_retry: &|| {} };
+        let subject = One { event_id: key_of(item), message: item.message() };
+        let retrying = Retrying { group: &config.group, what: "the dead letter", subject: &subject, on_retry: &|| {} };
         let result = retry(config, shutdown, &retrying, || async {
             self.dead_letter_once(item, reason, attempts).await.map_err(Failure::into_failed)
         })

@@ -53,6 +53,15 @@ impl<DB: Backend> Engine<DB> {
         }
     }
 
+    /// Moves the `dead_letters_stored` gauge by `n` dead letters just committed, so it shows them at once; the
+    /// next count (every `stats_interval`) sets it again from the table, replays and deletions included.
+    pub(crate) fn dead_letters_written(&self, n: u64) {
+        if n > 0 {
+            metrics::gauge!("dead_letters_stored", "consumer_group" => self.inner.config.group.clone())
+                .increment(n as f64);
+        }
+    }
+
     pub(super) fn partitioned(&self) -> Option<&crate::config::Partitioning> {
         match &self.inner.config.layout {
             crate::config::MarkerLayout::Partitioned(p) => Some(p),

@@ -12,6 +12,7 @@
 
 mod apply;
 mod batch;
+mod flow;
 mod housekeeping;
 mod outcome;
 mod retry;
@@ -20,7 +21,7 @@ mod transaction;
 mod warm;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use sqlx::Pool;
@@ -35,8 +36,9 @@ use crate::source::Source;
 use crate::store::Backend;
 use apply::{Marked, PerBatch, PerBatchRef, PerMessage};
 pub(crate) use apply::{PerMessageRef, Process};
+pub use flow::Stalled;
 pub use outcome::{Committed, Health, Outcome, Stats, StatsSnapshot};
-pub(crate) use retry::{Failed, GaveUp, Retrying, Shutdown, retry};
+pub(crate) use retry::{Failed, GaveUp, One, Retrying, Shutdown, retry};
 pub(crate) use transaction::{End, Failure, check_intact, commit_failed};
 
 type CommitObserver = Arc<dyn Fn(&Committed) + Send + Sync>;
@@ -58,7 +60,8 @@ struct Inner<DB: Backend> {
     stats: Stats,
     running: AtomicBool,
     draining: AtomicBool,
-    partitions: AtomicU64,
+    /// Each partition's lane: what its worker holds, its pause, its stall.
+    lanes: flow::Lanes,
     faults: Faults,
     breaker: Breaker,
     /// Shared by every clone.
@@ -85,7 +88,7 @@ impl<DB: Backend> Engine<DB> {
                 stats: Stats::default(),
                 running: AtomicBool::new(false),
                 draining: AtomicBool::new(false),
-                partitions: AtomicU64::new(0),
+                lanes: flow::Lanes::default(),
                 faults,
                 breaker,
                 on_commit: std::sync::RwLock::new(None),
@@ -125,8 +128,9 @@ impl<DB: Backend> Engine<DB> {
         Health {
             running: self.inner.running.load(Ordering::SeqCst),
             draining: self.inner.draining.load(Ordering::SeqCst),
-            partitions: self.inner.partitions.load(Ordering::SeqCst),
+            partitions: self.inner.lanes.count() as u64,
             paused: self.inner.breaker.open(),
+            stalled: self.inner.lanes.stalled(&self.inner.config.group, self.inner.config.stall_after),
         }
     }
 

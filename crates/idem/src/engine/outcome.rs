@@ -117,7 +117,7 @@ impl Stats {
 }
 
 /// The engine's state for health checks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Health {
     /// [`Engine::run`] is consuming.
     pub running: bool,
@@ -127,12 +127,16 @@ pub struct Health {
     pub partitions: u64,
     /// The kill switch tripped: the consumer holds, taking no new work (see [`crate::kill_switch`]).
     pub paused: bool,
+    /// Partitions that hold work and have not committed for [`Config::stall_after`](crate::Config::stall_after)
+    /// (a message retrying, a handler waiting); the other partitions go on.
+    pub stalled: Vec<super::Stalled>,
 }
 
 impl Health {
-    /// Ready to take work: running, not draining. (Partitions appear with the first message.)
+    /// Ready to take work: running, not draining, not paused, no partition stalled. (Partitions appear with the
+    /// first message.)
     pub fn ready(&self) -> bool {
-        self.running && !self.draining && !self.paused
+        self.running && !self.draining && !self.paused && self.stalled.is_empty()
     }
 }
 
@@ -194,6 +198,11 @@ impl<DB: Backend> Engine<DB> {
                 .increment(n);
             }
         }
+        let stored = match self.inner.config.id_reuse {
+            crate::config::IdReusePolicy::DeadLetter => report.dead_lettered + report.id_reused,
+            crate::config::IdReusePolicy::Skip => report.dead_lettered,
+        };
+        self.dead_letters_written(stored);
         let observer = self.inner.on_commit.read().ok().and_then(|slot| slot.clone());
         if let Some(observer) = observer {
             observer(&report);

@@ -88,8 +88,47 @@ pub(crate) struct Retrying<'a> {
     pub group: &'a str,
     /// What an attempt does, as a log line says it: "the batch", "the message", "the dead letter".
     pub what: &'static str,
+    /// The messages the attempt works on, named by every retry log line.
+    pub subject: &'a dyn Subject,
     /// Called before each retry (the `retried` outcome's counter).
     pub on_retry: &'a (dyn Fn() + Sync),
+}
+
+/// The messages an attempt works on, as its log lines name them.
+pub(crate) trait Subject: Sync {
+    /// Message `at` of the attempt (the first when `None` or out of range), and how many the attempt holds.
+    fn locate(&self, at: Option<usize>) -> (Located<'_>, usize);
+}
+
+/// Where one message is: its event id (empty when it has none), topic, partition and offset.
+pub(crate) struct Located<'a> {
+    pub event_id: &'a str,
+    pub topic: &'a str,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+/// One message and its event id, when it has one.
+pub(crate) struct One<'a> {
+    pub event_id: Option<&'a str>,
+    pub message: &'a crate::message::Message,
+}
+
+impl Subject for One<'_> {
+    fn locate(&self, _: Option<usize>) -> (Located<'_>, usize) {
+        let m = self.message;
+        let located =
+            Located { event_id: self.event_id.unwrap_or(""), topic: &m.topic, partition: m.partition, offset: m.offset };
+        (located, 1)
+    }
+}
+
+/// No message (a unit test's attempt).
+#[cfg(test)]
+impl Subject for () {
+    fn locate(&self, _: Option<usize>) -> (Located<'_>, usize) {
+        (Located { event_id: "", topic: "", partition: 0, offset: -1 }, 0)
+    }
 }
 
 /// Runs `attempt` until it succeeds, gives up, or the consumer stops (`Err(Error::Stopped)`).
@@ -118,12 +157,19 @@ where
                     return Ok(Err(GaveUp::Exhausted { attempts, reason, at }));
                 }
                 let delay = config.backoff_for(attempts);
+                let (at, messages) = retrying.subject.locate(at);
                 tracing::warn!(
                     consumer_group = retrying.group,
+                    event_id = at.event_id,
+                    topic = at.topic,
+                    partition = at.partition,
+                    offset = at.offset,
+                    messages,
                     reason,
                     attempt = attempts,
+                    max_attempts = config.max_attempts,
                     ?delay,
-                    "retryable handler error; retrying {}",
+                    "retryable handler error; retrying {} (the partition waits; the others go on)",
                     retrying.what
                 );
                 delay
@@ -132,8 +178,14 @@ where
                 attempts -= 1;
                 outages += 1;
                 let delay = config.backoff_for(outages);
+                let (at, messages) = retrying.subject.locate(None);
                 tracing::warn!(
                     consumer_group = retrying.group,
+                    event_id = at.event_id,
+                    topic = at.topic,
+                    partition = at.partition,
+                    offset = at.offset,
+                    messages,
                     error = reason,
                     ?delay,
                     outages,
@@ -161,7 +213,7 @@ mod tests {
         Config::new("g", KeyExtractor::BrokerId).max_attempts(3).backoff(Duration::from_secs(5), Duration::from_secs(5))
     }
 
-    const QUIET: Retrying<'static> = Retrying { group: "g", what: "the test", on_retry: &|| {} };
+    const QUIET: Retrying<'static> = Retrying { group: "g", what: "the test", subject: &(), on_retry: &|| {} };
 
     #[tokio::test]
     async fn a_stop_cuts_a_backoff_sleep_short() {

@@ -1,17 +1,20 @@
 //! The run loop: one task polls the source and hands each partition's messages, in order, to a worker of that
-//! partition; workers run in parallel, each acknowledging what it committed. Revocations and shutdown drain.
+//! partition (through its lane, see [`super::flow`]); workers run in parallel, each acknowledging what it
+//! committed. Revocations and shutdown drain.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use super::Engine;
 use super::apply::Process;
+use super::flow::{Lane, Limits};
 use super::outcome::StatsSnapshot;
 use super::retry::Shutdown;
 use crate::error::{Error, Retry};
@@ -54,9 +57,15 @@ impl<DB: Backend> Engine<DB> {
         self.inner.draining.store(false, Ordering::SeqCst);
         self.inner.running.store(true, Ordering::SeqCst);
         let (fatal_tx, mut fatal_rx) = mpsc::unbounded_channel::<Error>();
+        let _stalls = AbortOnDrop(tokio::spawn(self.clone().watch_stalls()));
+        let limits = Limits::for_batch(self.inner.config.batch_size);
+        let lanes = &self.inner.lanes;
         let mut workers: HashMap<Partition, Worker> = HashMap::new();
         let mut source_failures = 0u32;
         let stop_reason: Result<(), Error> = 'poll: loop {
+            // Every lane is filled without waiting on its worker: one partition that retries or waits never keeps
+            // the others from being read. Only all lanes together at the cap make the poller wait for progress.
+            let full = lanes.full(&limits);
             tokio::select! {
                 biased;
                 error = fatal_rx.recv() => {
@@ -67,32 +76,23 @@ impl<DB: Backend> Engine<DB> {
                     for worker in workers.values() { worker.stopping.trigger(); }
                     break Ok(());
                 }
-                received = source.recv() => match received {
+                _ = lanes.progressed(), if full => {}
+                _ = tokio::time::sleep(Duration::from_millis(100)), if full => {}
+                received = source.recv(), if !full => match received {
                     Ok(Some(Received::Message(message))) => {
                         source_failures = 0;
                         let key = Partition { topic: message.topic.clone(), partition: message.partition };
-                        if !workers.contains_key(&key) {
-                            let worker = self.spawn_worker(key.clone(), Arc::clone(&source), Arc::clone(&apply), fatal_tx.clone());
-                            workers.insert(key.clone(), worker);
-                            self.inner.partitions.store(workers.len() as u64, Ordering::SeqCst);
-                        }
-                        let Some(worker) = workers.get(&key) else { continue };
-                        tokio::select! {
-                            sent = worker.queue.send(message) => {
-                                if sent.is_err() {
-                                    // The worker is gone: its error is on its way through fatal_rx.
-                                    continue;
-                                }
+                        let worker = match workers.entry(key) {
+                            Entry::Occupied(entry) => entry.into_mut(),
+                            Entry::Vacant(entry) => {
+                                let worker = self.spawn_worker(entry.key().clone(), Arc::clone(&source),
+                                    Arc::clone(&apply), fatal_tx.clone());
+                                entry.insert(worker)
                             }
-                            error = fatal_rx.recv() => {
-                                if let Some(error) = error { break 'poll Err(error); }
-                            }
-                            _ = &mut shutdown => {
-                                tracing::info!(consumer_group = %self.inner.config.group, "shutdown requested while a partition was full: draining");
-                                for worker in workers.values() { worker.stopping.trigger(); }
-                                break 'poll Ok(());
-                            }
-                        }
+                        };
+                        lanes.arrived(&worker.lane, &limits, source.pausing());
+                        // A send fails only when the worker is gone: its error is on its way through fatal_rx.
+                        let _ = worker.queue.send(message);
                     }
                     Ok(Some(Received::Revoked { partitions, drained })) => {
                         for partition in &partitions {
@@ -102,8 +102,8 @@ impl<DB: Backend> Engine<DB> {
                                     break 'poll Err(error);
                                 }
                             }
+                            self.close_lane(partition, source.as_ref());
                         }
-                        self.inner.partitions.store(workers.len() as u64, Ordering::SeqCst);
                         tracing::info!(?partitions, "revoked partitions drained");
                         drained.done();
                     }
@@ -128,15 +128,15 @@ impl<DB: Backend> Engine<DB> {
         };
         self.inner.draining.store(true, Ordering::SeqCst);
         let mut first_error = stop_reason.err();
-        for (_, worker) in workers.drain() {
+        for (partition, worker) in workers.drain() {
             if let Err(error) = worker.finish().await {
                 first_error.get_or_insert(error);
             }
+            self.close_lane(&partition, source.as_ref());
         }
         while let Ok(error) = fatal_rx.try_recv() {
             first_error.get_or_insert(error);
         }
-        self.inner.partitions.store(0, Ordering::SeqCst);
         self.inner.running.store(false, Ordering::SeqCst);
         // Every worker has ended: the transactions they left open for a next batch are rolled back.
         self.inner.warm.clear().await;
@@ -147,9 +147,11 @@ impl<DB: Backend> Engine<DB> {
     }
 }
 
-/// One partition's worker: a queue in, a task that handles batches in order.
+/// One partition's worker: a queue in (never full: its lane counts what it holds), a task that handles batches
+/// in order.
 struct Worker {
-    queue: mpsc::Sender<Message>,
+    queue: mpsc::UnboundedSender<Message>,
+    lane: Arc<Lane>,
     stopping: Shutdown,
     task: JoinHandle<()>,
 }
@@ -174,12 +176,15 @@ impl<DB: Backend> Engine<DB> {
         fatal: mpsc::UnboundedSender<Error>,
     ) -> Worker {
         let batch_size = self.inner.config.batch_size;
-        // Room for a burst of one partition while the poller feeds the others (at least 256 messages).
-        let (queue, mut inbox) = mpsc::channel::<Message>((batch_size * 2).max(256));
+        let limits = Limits::for_batch(batch_size);
+        let (queue, mut inbox) = mpsc::unbounded_channel::<Message>();
+        let lane = self.inner.lanes.open(&partition);
         let stopping = Shutdown::default();
         let engine = self.clone();
         let stop = stopping.clone();
+        let own_lane = Arc::clone(&lane);
         let task = tokio::spawn(async move {
+            let lane = own_lane;
             let mut guard = PanicGuard { fatal: Some(fatal.clone()), partition: partition.clone() };
             let mut gaps = crate::gap::SequenceGaps::default();
             tracing::debug!(topic = %partition.topic, partition = partition.partition, "partition worker started");
@@ -196,6 +201,8 @@ impl<DB: Backend> Engine<DB> {
                     }
                 }
                 let Some(mut acknowledgement) = Acknowledgement::of(&batch) else { continue };
+                let taken = batch.len();
+                engine.inner.lanes.started(&lane, batch[0].offset);
                 let handles: Vec<Option<AckHandle>> = batch.iter().map(|m| m.ack_handle.clone()).collect();
                 engine.detect_gaps(&mut gaps, &batch);
                 match apply.process(&engine, batch, &stop).await {
@@ -219,10 +226,11 @@ impl<DB: Backend> Engine<DB> {
                 metrics::gauge!("consumer_offset_commit_lag_seconds", "consumer_group" => engine.inner.config.group.clone(),
                     "topic" => partition.topic.clone(), "partition" => partition.partition.to_string())
                 .set(committed.elapsed().as_secs_f64());
+                engine.inner.lanes.finished(&lane, taken, &limits, source.pausing());
             }
             guard.fatal = None;
         });
-        Worker { queue, stopping, task }
+        Worker { queue, lane, stopping, task }
     }
 
     /// Counts events that producer sequence numbers show were never delivered.

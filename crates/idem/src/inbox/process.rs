@@ -11,7 +11,7 @@ use super::store::{self, Status, Waiting};
 use super::{InboxOutcome, InboxTransactions, QualifiedType, Route, Sequenced, SequentialInbox};
 pub(crate) use crate::engine::Failure;
 use crate::engine::{
-    End, Engine, Failed, GaveUp, Outcome, PerMessageRef, Process, Retrying, Shutdown, check_intact, commit_failed,
+    End, Engine, Failed, GaveUp, One, Outcome, PerMessageRef, Process, Retrying, Shutdown, check_intact, commit_failed,
     retry,
 };
 use crate::error::{Error, HandlerError};
@@ -111,7 +111,9 @@ impl SequentialInbox {
         let config = self.engine.config();
         let sequence = &self.config.sequences[sequenced.sequence];
         self.count(Count::Consumed, sequenced.sequence, 1);
-        let retrying = Retrying { group: &config.group, what: "the sequenced message", on_retry: &|| {} };
+        let subject = One { event_id: Some(&sequenced.event.id), message: &sequenced.event.message };
+        let retrying =
+            Retrying { group: &config.group, what: "the sequenced message", subject: &subject, on_retry: &|| {} };
         let result = retry(config, shutdown, &retrying, || async {
             // Separate mode holds two connections per attempt: at most half the pool's attempts run at once, so
             // the claim transactions can never take every connection the handlers need.
@@ -330,7 +332,9 @@ impl SequentialInbox {
         }
         let config = self.engine.config();
         let event = Event::new(waiting.idempotence_id.clone(), waiting.message.clone());
-        let retrying = Retrying { group: &config.group, what: "the released message", on_retry: &|| {} };
+        let subject = One { event_id: Some(&waiting.idempotence_id), message: &waiting.message };
+        let retrying =
+            Retrying { group: &config.group, what: "the released message", subject: &subject, on_retry: &|| {} };
         // Every attempt runs on the releasing transaction, one at a time.
         let tx = tokio::sync::Mutex::new(tx);
         let result = retry(config, shutdown, &retrying, || async {
@@ -413,7 +417,8 @@ impl SequentialInbox {
         let config = self.engine.config();
         let letter =
             NewDeadLetter { event_id, message, error: reason, attempts: i32::try_from(attempts).unwrap_or(i32::MAX) };
-        let retrying = Retrying { group: &config.group, what: "the dead letter", on_retry: &|| {} };
+        let subject = One { event_id, message };
+        let retrying = Retrying { group: &config.group, what: "the dead letter", subject: &subject, on_retry: &|| {} };
         let store = async || -> Result<(), Failure> {
             let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
             let body = async |tx: &mut PgConnection| {
@@ -441,7 +446,10 @@ impl SequentialInbox {
             InboxOutcome::Recorded => self.count(Count::Processed, sequence, 1),
             InboxOutcome::Buffered => self.count(Count::Buffered, sequence, 1),
             InboxOutcome::Duplicate => self.count(Count::Duplicates, sequence, 1),
-            InboxOutcome::DeadLettered => self.count(Count::DeadLettered, sequence, 1),
+            InboxOutcome::DeadLettered => {
+                self.engine.dead_letters_written(1);
+                self.count(Count::DeadLettered, sequence, 1)
+            }
             InboxOutcome::Direct(_) => {}
         }
     }

@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use super::{KafkaConfig, kafka_error, topic_retention_ms};
 use crate::error::Error;
 use crate::message::Message;
-use crate::source::{Acknowledgement, Drained, Partition, Received, Source, SourceError};
+use crate::source::{Acknowledgement, Drained, Partition, PausePartitions, Received, Source, SourceError};
 
 type Delivery = Result<Option<Received>, SourceError>;
 
@@ -335,6 +335,10 @@ impl Source for KafkaSource {
         }
     }
 
+    fn pausing(&self) -> Option<&dyn PausePartitions> {
+        Some(self)
+    }
+
     async fn ack(&self, ack: &Acknowledgement) -> Result<(), SourceError> {
         let (topic, partition, offset) = (ack.partition.topic.as_str(), ack.partition.partition, ack.last_offset);
         let key = ack.partition.clone();
@@ -352,6 +356,26 @@ impl Source for KafkaSource {
             .map_err(|e| kafka_error("kafka ack", e))?;
         self.consumer.commit(&list, CommitMode::Async).map_err(|e| kafka_error("kafka commit", e))
     }
+}
+
+/// Kafka's own pause: the client stops fetching the partitions and, on resume, fetches from the message after the
+/// last one it handed out.
+impl PausePartitions for KafkaSource {
+    fn pause(&self, partitions: &[Partition]) -> Result<(), SourceError> {
+        self.consumer.pause(&list_of(partitions)?).map_err(|e| kafka_error("kafka pause", e))
+    }
+
+    fn resume(&self, partitions: &[Partition]) -> Result<(), SourceError> {
+        self.consumer.resume(&list_of(partitions)?).map_err(|e| kafka_error("kafka resume", e))
+    }
+}
+
+fn list_of(partitions: &[Partition]) -> Result<TopicPartitionList, SourceError> {
+    let mut list = TopicPartitionList::new();
+    for p in partitions {
+        list.add_partition(&p.topic, p.partition);
+    }
+    Ok(list)
 }
 
 impl Drop for KafkaSource {

@@ -184,6 +184,15 @@ fn consumer_plan(
     if let Some(n) = &c.max_attempts {
         config = config.max_attempts(*n.get_ref());
     }
+    if let Some(s) = &c.stall_after
+        && let Some(d) = duration(problems, s, &here("stall_after"))
+    {
+        if d.is_zero() {
+            problems.at(s, &here("stall_after"), "0 would call every partition with work stalled: use e.g. \"60s\"");
+        } else {
+            config = config.stall_after(d);
+        }
+    }
     if let Some(r) = &c.marker_retention
         && let Some(d) = duration(problems, r, &here("marker_retention"))
     {

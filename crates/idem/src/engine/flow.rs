@@ -1,0 +1,271 @@
+//! Flow control per partition: each partition's worker has a lane the poller fills without ever waiting on it,
+//! so a partition that retries or waits never stops the others from being read and applied. A lane that holds
+//! more than its share is paused at the source where the source can pause ([`PausePartitions`]) and resumed once
+//! its worker has caught up; on a source without a pause, the broker's own in-flight limit bounds it, and a cap
+//! over all lanes bounds memory. The stall watch reports a lane that holds work and has not committed for
+//! [`Config::stall_after`](crate::Config::stall_after).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+use super::Engine;
+use crate::source::{Partition, PausePartitions, Source};
+use crate::store::Backend;
+
+/// No message in hand.
+const NONE: i64 = -1;
+
+/// One partition's lane: how much its worker holds, when it last moved, and whether the source is paused for it.
+pub(crate) struct Lane {
+    partition: Partition,
+    /// Messages handed to the worker and not yet acknowledged (the batch in hand included).
+    queued: AtomicUsize,
+    /// When the lane last moved (a commit, or work arriving at an idle lane), in ms since the engine's epoch.
+    moved_at: AtomicU64,
+    /// The offset of the first message of the batch in hand, `NONE` between batches.
+    in_hand: AtomicI64,
+    /// Whether the source is paused for this partition; pause and resume happen under this lock.
+    paused: Mutex<bool>,
+    /// Whether the stall watch has reported this lane as stalled (so it logs once each way).
+    reported: Mutex<bool>,
+}
+
+/// A partition that holds work and has not committed for [`Config::stall_after`](crate::Config::stall_after).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Stalled {
+    /// The consumer group.
+    pub consumer_group: String,
+    /// The topic (queue, stream, subject partition).
+    pub topic: String,
+    /// The partition.
+    pub partition: i32,
+    /// Seconds since its last commit (or since work arrived, when it had none to commit).
+    pub seconds: u64,
+    /// Messages waiting in it, the batch in hand included.
+    pub waiting: usize,
+    /// The offset of the first message of the batch in hand, when a batch is in hand.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offset: Option<i64>,
+}
+
+/// Every lane of a running engine, and the limits the poller keeps.
+pub(crate) struct Lanes {
+    epoch: Instant,
+    lanes: Mutex<HashMap<Partition, Arc<Lane>>>,
+    /// Messages held over all lanes.
+    total: AtomicUsize,
+    /// Woken whenever a worker finishes a batch (the poller waits on it at the cap).
+    progress: Notify,
+}
+
+impl Default for Lanes {
+    fn default() -> Self {
+        Lanes {
+            epoch: Instant::now(),
+            lanes: Mutex::new(HashMap::new()),
+            total: AtomicUsize::new(0),
+            progress: Notify::new(),
+        }
+    }
+}
+
+/// The lane sizes for a batch size: a lane above `high` is paused, resumed at `low` or below; the poller waits
+/// for progress while all lanes together hold `cap` (which, on a source with a pause, only a great many
+/// partitions reach).
+pub(crate) struct Limits {
+    pub(crate) high: usize,
+    pub(crate) low: usize,
+    pub(crate) cap: usize,
+}
+
+impl Limits {
+    pub(crate) fn for_batch(batch_size: usize) -> Self {
+        let high = (batch_size * 2).max(256);
+        Limits { high, low: high / 2, cap: high * 16 }
+    }
+}
+
+impl Lanes {
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<Partition, Arc<Lane>>> {
+        self.lanes.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The lane of `partition`, new and empty.
+    pub(crate) fn open(&self, partition: &Partition) -> Arc<Lane> {
+        let lane = Arc::new(Lane {
+            partition: partition.clone(),
+            queued: AtomicUsize::new(0),
+            moved_at: AtomicU64::new(self.now_ms()),
+            in_hand: AtomicI64::new(NONE),
+            paused: Mutex::new(false),
+            reported: Mutex::new(false),
+        });
+        self.map().insert(partition.clone(), Arc::clone(&lane));
+        lane
+    }
+
+    /// Forgets the lane of `partition` (revoked, or the run ended), resuming it at the source if it was paused:
+    /// a partition assigned again starts unpaused.
+    pub(crate) fn close(&self, partition: &Partition, pausing: Option<&dyn PausePartitions>) {
+        let Some(lane) = self.map().remove(partition) else { return };
+        self.total.fetch_sub(lane.queued.swap(0, Ordering::SeqCst), Ordering::SeqCst);
+        let mut paused = lane.paused.lock().unwrap_or_else(PoisonError::into_inner);
+        if *paused && let Some(pausing) = pausing {
+            let _ = pausing.resume(std::slice::from_ref(partition));
+        }
+        *paused = false;
+        self.progress.notify_waiters();
+    }
+
+    /// How many partitions have a lane.
+    pub(crate) fn count(&self) -> usize {
+        self.map().len()
+    }
+
+    /// Counts one message into `lane`; pauses its partition at the source when the lane is over `high`.
+    pub(crate) fn arrived(&self, lane: &Lane, limits: &Limits, pausing: Option<&dyn PausePartitions>) {
+        if lane.queued.fetch_add(1, Ordering::SeqCst) == 0 {
+            lane.moved_at.store(self.now_ms(), Ordering::SeqCst);
+        }
+        self.total.fetch_add(1, Ordering::SeqCst);
+        let Some(pausing) = pausing else { return };
+        if lane.queued.load(Ordering::SeqCst) < limits.high {
+            return;
+        }
+        let mut paused = lane.paused.lock().unwrap_or_else(PoisonError::into_inner);
+        if !*paused && lane.queued.load(Ordering::SeqCst) >= limits.high {
+            match pausing.pause(std::slice::from_ref(&lane.partition)) {
+                Ok(()) => {
+                    *paused = true;
+                    tracing::debug!(topic = %lane.partition.topic, partition = lane.partition.partition,
+                        waiting = lane.queued.load(Ordering::SeqCst), "partition behind: paused at the source");
+                }
+                Err(error) => tracing::warn!(topic = %lane.partition.topic, partition = lane.partition.partition,
+                    %error, "pausing a partition that is behind failed; its messages are held in memory"),
+            }
+        }
+    }
+
+    /// Whether the poller must wait for progress before it reads more: all lanes together hold the cap.
+    pub(crate) fn full(&self, limits: &Limits) -> bool {
+        self.total.load(Ordering::SeqCst) >= limits.cap
+    }
+
+    /// Resolves when a worker finished a batch (or a lane closed) after this call.
+    pub(crate) fn progressed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.progress.notified()
+    }
+
+    /// The worker took a batch starting at `offset`.
+    pub(crate) fn started(&self, lane: &Lane, offset: i64) {
+        lane.in_hand.store(offset, Ordering::SeqCst);
+    }
+
+    /// The worker finished `n` messages (committed and acknowledged, or abandoned); resumes the partition at the
+    /// source when it was paused and the lane is down to `low`.
+    pub(crate) fn finished(&self, lane: &Lane, n: usize, limits: &Limits, pausing: Option<&dyn PausePartitions>) {
+        lane.in_hand.store(NONE, Ordering::SeqCst);
+        lane.moved_at.store(self.now_ms(), Ordering::SeqCst);
+        let before = lane.queued.fetch_sub(n, Ordering::SeqCst);
+        self.total.fetch_sub(n.min(before), Ordering::SeqCst);
+        self.progress.notify_waiters();
+        let Some(pausing) = pausing else { return };
+        let mut paused = lane.paused.lock().unwrap_or_else(PoisonError::into_inner);
+        if *paused && lane.queued.load(Ordering::SeqCst) <= limits.low {
+            match pausing.resume(std::slice::from_ref(&lane.partition)) {
+                Ok(()) => *paused = false,
+                Err(error) => tracing::warn!(topic = %lane.partition.topic, partition = lane.partition.partition,
+                    %error, "resuming a paused partition failed; trying again after the next batch"),
+            }
+        }
+    }
+
+    /// The lanes that hold work and have not moved for `after`.
+    pub(crate) fn stalled(&self, group: &str, after: Duration) -> Vec<Stalled> {
+        let now = self.now_ms();
+        let after = after.as_millis() as u64;
+        let mut stalled: Vec<Stalled> = self
+            .map()
+            .values()
+            .filter_map(|lane| {
+                let waiting = lane.queued.load(Ordering::SeqCst);
+                let idle = now.saturating_sub(lane.moved_at.load(Ordering::SeqCst));
+                (waiting > 0 && idle >= after).then(|| Stalled {
+                    consumer_group: group.to_owned(),
+                    topic: lane.partition.topic.clone(),
+                    partition: lane.partition.partition,
+                    seconds: idle / 1000,
+                    waiting,
+                    offset: Some(lane.in_hand.load(Ordering::SeqCst)).filter(|o| *o != NONE),
+                })
+            })
+            .collect();
+        stalled.sort_by(|a, b| (&a.topic, a.partition).cmp(&(&b.topic, b.partition)));
+        stalled
+    }
+}
+
+impl<DB: Backend> Engine<DB> {
+    /// Every second while the engine runs: the gauges of each lane (`partition_stalled_seconds`,
+    /// `partition_waiting_messages`), and a WARN when a lane stalls, an INFO when it moves again.
+    pub(super) async fn watch_stalls(self) {
+        let config = &self.inner.config;
+        let lanes = &self.inner.lanes;
+        let mut tick = tokio::time::interval(Duration::from_secs(1).min(config.stall_after));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let now = lanes.now_ms();
+            let all: Vec<Arc<Lane>> = lanes.map().values().cloned().collect();
+            for lane in all {
+                let waiting = lane.queued.load(Ordering::SeqCst);
+                let idle = now.saturating_sub(lane.moved_at.load(Ordering::SeqCst));
+                let stalled = waiting > 0 && idle >= config.stall_after.as_millis() as u64;
+                let (topic, partition) = (lane.partition.topic.clone(), lane.partition.partition.to_string());
+                metrics::gauge!("partition_stalled_seconds", "consumer_group" => config.group.clone(),
+                    "topic" => topic.clone(), "partition" => partition.clone())
+                .set(if stalled { idle as f64 / 1000.0 } else { 0.0 });
+                metrics::gauge!("partition_waiting_messages", "consumer_group" => config.group.clone(),
+                    "topic" => topic, "partition" => partition)
+                .set(waiting as f64);
+                let mut reported = lane.reported.lock().unwrap_or_else(PoisonError::into_inner);
+                let in_hand = lane.in_hand.load(Ordering::SeqCst);
+                if stalled && !*reported {
+                    *reported = true;
+                    tracing::warn!(consumer_group = %config.group, topic = %lane.partition.topic,
+                        partition = lane.partition.partition, offset = in_hand, waiting, seconds = idle / 1000,
+                        "partition stalled: it holds work and has not committed for {:?}; the other partitions go \
+                         on. The retry warnings name the event at fault; /readyz lists the partition",
+                        config.stall_after);
+                } else if !stalled && *reported {
+                    *reported = false;
+                    tracing::info!(consumer_group = %config.group, topic = %lane.partition.topic,
+                        partition = lane.partition.partition, "partition moving again");
+                }
+            }
+        }
+    }
+}
+
+impl<DB: Backend> Engine<DB> {
+    /// Closes the lane of `partition` and clears its gauges.
+    pub(super) fn close_lane<S: Source>(&self, partition: &Partition, source: &S) {
+        self.inner.lanes.close(partition, source.pausing());
+        let group = self.inner.config.group.clone();
+        let (topic, number) = (partition.topic.clone(), partition.partition.to_string());
+        metrics::gauge!("partition_stalled_seconds", "consumer_group" => group.clone(), "topic" => topic.clone(),
+            "partition" => number.clone())
+        .set(0.0);
+        metrics::gauge!("partition_waiting_messages", "consumer_group" => group, "topic" => topic,
+            "partition" => number)
+        .set(0.0);
+    }
+}

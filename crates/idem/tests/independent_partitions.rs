@@ -1,0 +1,198 @@
+//! Partitions are independent: one key whose handler fails retryably for a while holds its own partition only.
+//! The other partitions are read and applied to their end while it fails (before, the poller waited on the
+//! failing partition's full queue and every partition stopped), the held partition is reported as stalled, and
+//! once the failure clears the held key's events are applied in their order, each once. Run on the embedded log
+//! and Kafka (both pause a partition at the source) and on RabbitMQ (one queue per partition, bounded by its
+//! prefetch), against PostgreSQL.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+use idem::{Config, Engine, Event, Handler, HandlerError, KeyExtractor, Source};
+use sqlx::PgConnection;
+
+/// Events after the failing one, over `KEYS` keys: enough that the failing key's partition holds several hundred
+/// messages behind it (more than a partition's lane, 256).
+const EVENTS: usize = 2400;
+const KEYS: usize = 40;
+const BAD_KEY: &str = "k7";
+
+/// Applies an event as a row; fails retryably for `BAD_KEY` while `failing` is set, noting its partition.
+#[derive(Clone)]
+struct Flaky {
+    failing: Arc<AtomicBool>,
+    held_partition: Arc<AtomicI32>,
+}
+
+#[derive(serde::Deserialize)]
+struct Payment {
+    id: String,
+    key: String,
+    seq: i64,
+}
+
+impl Handler<sqlx::Postgres> for Flaky {
+    async fn handle(&self, event: &Event, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let p: Payment = event.json()?;
+        if p.key == BAD_KEY && self.failing.load(Ordering::SeqCst) {
+            self.held_partition.store(event.message.partition, Ordering::SeqCst);
+            return Err(HandlerError::retryable("account row locked (lock_timeout)"));
+        }
+        sqlx::query("INSERT INTO applied (event_id, key, seq, topic, part) VALUES ($1, $2, $3, $4, $5)")
+            .bind(&p.id)
+            .bind(&p.key)
+            .bind(p.seq)
+            .bind(&event.message.topic)
+            .bind(event.message.partition)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// The records to produce: (key, payload), the failing key's first event first.
+fn records() -> Vec<(String, String)> {
+    let mut seq: HashMap<String, i64> = HashMap::new();
+    let mut out = Vec::with_capacity(EVENTS + 1);
+    let mut push = |key: String, n: usize| {
+        let s = seq.entry(key.clone()).or_default();
+        *s += 1;
+        let payload = format!(r#"{{"id":"e{n}","key":"{key}","seq":{s}}}"#);
+        out.push((key, payload));
+    };
+    push(BAD_KEY.to_owned(), 0);
+    for n in 1..=EVENTS {
+        push(format!("k{}", n % KEYS), n);
+    }
+    out
+}
+
+/// Rows applied per (topic, partition).
+async fn per_partition(pool: &sqlx::PgPool) -> HashMap<(String, i32), i64> {
+    let rows: Vec<(String, i32, i64)> =
+        sqlx::query_as("SELECT topic, part, COUNT(*) FROM applied GROUP BY topic, part").fetch_all(pool).await.unwrap();
+    rows.into_iter().map(|(t, p, n)| ((t, p), n)).collect()
+}
+
+async fn applied(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM applied").fetch_one(pool).await.unwrap()
+}
+
+/// Runs `source` with the failing key held, then released, and checks what the module documentation says.
+async fn one_failing_key_holds_only_its_partition<S: Source>(what: &str, source: S) {
+    let db = common::pg().await;
+    let config = Config::new(format!("independent-{what}"), KeyExtractor::JsonPointer("/id".into()))
+        .batch_size(20)
+        .max_attempts(1_000_000)
+        .backoff(Duration::from_millis(20), Duration::from_millis(200))
+        .stall_after(Duration::from_secs(1));
+    idem::migrate(&db.pool, &config.tables).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE applied (n BIGSERIAL PRIMARY KEY, event_id TEXT NOT NULL UNIQUE, key TEXT NOT NULL,
+                               seq BIGINT NOT NULL, topic TEXT NOT NULL, part INT NOT NULL)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let handler = Flaky { failing: Arc::new(AtomicBool::new(true)), held_partition: Arc::new(AtomicI32::new(-1)) };
+    let engine = Engine::new(db.pool.clone(), config).unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn({
+        let (engine, handler) = (engine.clone(), handler.clone());
+        async move { engine.run(source, handler, stop_rx).await }
+    });
+
+    // While the key fails: everything that can be applied is, then nothing moves but the failing key's retries.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (mut last, mut since) = (-1, Instant::now());
+    loop {
+        let now = applied(&db.pool).await;
+        if now != last {
+            (last, since) = (now, Instant::now());
+        } else if now > 0 && since.elapsed() > Duration::from_secs(3) && !engine.health().stalled.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{what}: the consumer applied {now} and did not settle");
+        assert!(!run.is_finished(), "{what}: the engine stopped: {:?}", run.await);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let held = handler.held_partition.load(Ordering::SeqCst);
+    let health = engine.health();
+    assert_eq!(health.stalled.len(), 1, "{what}: only the failing key's partition is stalled: {:?}", health.stalled);
+    assert_eq!(health.stalled[0].partition, held, "{what}: {:?}", health.stalled);
+    assert!(!health.ready(), "{what}: a stalled partition shows in readiness");
+    let during = per_partition(&db.pool).await;
+    let stats = engine.stats();
+    assert_eq!(stats.dead_lettered, 0, "{what}: nothing dead-lettered while retrying");
+
+    // The failure clears: everything is applied, each once, each key in its order.
+    handler.failing.store(false, Ordering::SeqCst);
+    let total = (EVENTS + 1) as i64;
+    while applied(&db.pool).await < total {
+        assert!(Instant::now() < deadline + Duration::from_secs(60), "{what}: the held partition did not catch up");
+        assert!(!run.is_finished(), "{what}: the engine stopped: {:?}", run.await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = stop_tx.send(());
+    run.await.unwrap().unwrap();
+    assert_eq!(applied(&db.pool).await, total, "{what}: every event once");
+    let out_of_order: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM applied a JOIN applied b ON a.key = b.key AND a.n < b.n AND a.seq > b.seq",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(out_of_order, 0, "{what}: a key's events applied out of order");
+    assert!(engine.health().stalled.is_empty(), "{what}: no stall once the run is over");
+
+    let after = per_partition(&db.pool).await;
+    assert!(after.len() > 1, "{what}: the events spread over several partitions: {after:?}");
+    for (partition, n) in &after {
+        let before = during.get(partition).copied().unwrap_or(0);
+        if partition.1 == held {
+            assert!(
+                n - before > 256,
+                "{what}: the held partition had {} events behind the failing one, too few to fill its lane",
+                n - before
+            );
+        } else {
+            assert_eq!(before, *n, "{what}: {partition:?} was not applied to its end while another partition failed");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn embedded_log_one_failing_key_holds_only_its_partition() {
+    use idem::embedded::{ConsumerOptions, EmbeddedLog};
+    let dir = common::temp_dir();
+    let log = EmbeddedLog::open(&dir.0).unwrap();
+    log.create_topic("payments", 4).unwrap();
+    let producer = log.producer();
+    for (key, payload) in records() {
+        producer.send("payments", Some(key.as_bytes()), payload.as_bytes(), &[]).unwrap();
+    }
+    producer.flush().unwrap();
+    let source = log.consumer("independent-embedded", &["payments"], ConsumerOptions::default()).unwrap();
+    one_failing_key_holds_only_its_partition("embedded log", source).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kafka_one_failing_key_holds_only_its_partition() {
+    use idem::kafka::{KafkaConfig, KafkaProducer, KafkaSource, create_topic};
+    let brokers = std::env::var("IDEM_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".to_owned());
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let topic = format!("independent-{}-{nanos}", std::process::id());
+    create_topic(&brokers, &topic, 4, 7 * 86_400_000).await.unwrap();
+    let producer = KafkaProducer::new(&brokers).unwrap();
+    for (key, payload) in records() {
+        producer.send(&topic, Some(key.as_bytes()), payload.as_bytes(), &[]).await.unwrap();
+    }
+    let kafka = KafkaConfig::new(brokers, &[&topic]).set("session.timeout.ms", "6000");
+    let config = Config::new("independent-kafka", KeyExtractor::JsonPointer("/id".into()));
+    let source = KafkaSource::connect(&kafka, &config).await.unwrap();
+    one_failing_key_holds_only_its_partition("kafka", source).await;
+}
