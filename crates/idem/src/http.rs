@@ -91,12 +91,7 @@ impl<DB: Backend> Probe for Engine<DB> {
                 named.join(", "),
                 self.config().stall_after
             );
-            return Readiness {
-                ready: false,
-                reason,
-                partitions: Some(health.partitions),
-                stalled: health.stalled,
-            };
+            return Readiness { ready: false, reason, partitions: Some(health.partitions), stalled: health.stalled };
         }
         Readiness::ready(Some(health.partitions))
     }
@@ -149,11 +144,7 @@ impl<DB: sqlx::Database> Probe for DatabaseProbe<DB> {
             Ok(mut conn) => sqlx::Connection::ping(&mut *conn).await.is_ok(),
             Err(_) => false,
         };
-        if reachable {
-            Readiness::ready(None)
-        } else {
-            Readiness::not("database unreachable")
-        }
+        if reachable { Readiness::ready(None) } else { Readiness::not("database unreachable") }
     }
 
     fn resume(&self) -> Option<bool> {

@@ -24,6 +24,16 @@ pub fn describe() {
     describe_gauge!("processed_events_row_count", Unit::Count, "Markers stored for the consumer group");
     describe_gauge!("processed_events_oldest_age_seconds", Unit::Seconds, "Age of the group's oldest marker");
     describe_gauge!("dead_letters_stored", Unit::Count, "Dead letters stored for the consumer group");
+    describe_gauge!(
+        "partition_stalled_seconds",
+        Unit::Seconds,
+        "Seconds a partition has held work without a commit, once past stall_after (0 otherwise)"
+    );
+    describe_gauge!(
+        "partition_waiting_messages",
+        Unit::Count,
+        "Messages a partition's worker holds (queued and in hand)"
+    );
     describe_counter!("processed_events_pruned_total", Unit::Count, "Markers deleted by pruning");
     describe_gauge!(
         "processed_events_prune_longest_statement_seconds",

@@ -2,14 +2,14 @@
 //! The other partitions are read and applied to their end while it fails (before, the poller waited on the
 //! failing partition's full queue and every partition stopped), the held partition is reported as stalled, and
 //! once the failure clears the held key's events are applied in their order, each once. Run on the embedded log
-//! and Kafka (both pause a partition at the source) and on RabbitMQ (one queue per partition, bounded by its
+//! and Kafka (both pause a partition at the source) and on RabbitMQ (each queue a partition, held to its
 //! prefetch), against PostgreSQL.
 
 mod common;
 
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idem::{Config, Engine, Event, Handler, HandlerError, KeyExtractor, Source};
@@ -25,7 +25,7 @@ const BAD_KEY: &str = "k7";
 #[derive(Clone)]
 struct Flaky {
     failing: Arc<AtomicBool>,
-    held_partition: Arc<AtomicI32>,
+    held: Arc<Mutex<Option<(String, i32)>>>,
 }
 
 #[derive(serde::Deserialize)]
@@ -39,7 +39,8 @@ impl Handler<sqlx::Postgres> for Flaky {
     async fn handle(&self, event: &Event, tx: &mut PgConnection) -> Result<(), HandlerError> {
         let p: Payment = event.json()?;
         if p.key == BAD_KEY && self.failing.load(Ordering::SeqCst) {
-            self.held_partition.store(event.message.partition, Ordering::SeqCst);
+            let at = (event.message.topic.clone(), event.message.partition);
+            *self.held.lock().unwrap() = Some(at);
             return Err(HandlerError::retryable("account row locked (lock_timeout)"));
         }
         sqlx::query("INSERT INTO applied (event_id, key, seq, topic, part) VALUES ($1, $2, $3, $4, $5)")
@@ -71,6 +72,20 @@ fn records() -> Vec<(String, String)> {
     out
 }
 
+/// Sends the records to `queues` by key (a key's events go to one queue, in order).
+#[cfg(feature = "rabbitmq")]
+async fn to_queues(url: &str, queues: &[String]) {
+    let producer = idem::rabbitmq::RabbitProducer::connect(url).await.unwrap();
+    let messages: Vec<(String, Vec<u8>)> = records()
+        .into_iter()
+        .map(|(key, payload)| {
+            let n: usize = key.trim_start_matches('k').parse().unwrap();
+            (queues[n % queues.len()].clone(), payload.into_bytes())
+        })
+        .collect();
+    producer.send_in_order(&messages).await.unwrap();
+}
+
 /// Rows applied per (topic, partition).
 async fn per_partition(pool: &sqlx::PgPool) -> HashMap<(String, i32), i64> {
     let rows: Vec<(String, i32, i64)> =
@@ -98,7 +113,7 @@ async fn one_failing_key_holds_only_its_partition<S: Source>(what: &str, source:
     .execute(&db.pool)
     .await
     .unwrap();
-    let handler = Flaky { failing: Arc::new(AtomicBool::new(true)), held_partition: Arc::new(AtomicI32::new(-1)) };
+    let handler = Flaky { failing: Arc::new(AtomicBool::new(true)), held: Arc::new(Mutex::new(None)) };
     let engine = Engine::new(db.pool.clone(), config).unwrap();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let run = tokio::spawn({
@@ -120,10 +135,11 @@ async fn one_failing_key_holds_only_its_partition<S: Source>(what: &str, source:
         assert!(!run.is_finished(), "{what}: the engine stopped: {:?}", run.await);
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let held = handler.held_partition.load(Ordering::SeqCst);
+    let held = handler.held.lock().unwrap().clone().expect("the failing key was tried");
     let health = engine.health();
     assert_eq!(health.stalled.len(), 1, "{what}: only the failing key's partition is stalled: {:?}", health.stalled);
-    assert_eq!(health.stalled[0].partition, held, "{what}: {:?}", health.stalled);
+    let stalled = (health.stalled[0].topic.clone(), health.stalled[0].partition);
+    assert_eq!(stalled, held, "{what}: {:?}", health.stalled);
     assert!(!health.ready(), "{what}: a stalled partition shows in readiness");
     let during = per_partition(&db.pool).await;
     let stats = engine.stats();
@@ -153,7 +169,7 @@ async fn one_failing_key_holds_only_its_partition<S: Source>(what: &str, source:
     assert!(after.len() > 1, "{what}: the events spread over several partitions: {after:?}");
     for (partition, n) in &after {
         let before = during.get(partition).copied().unwrap_or(0);
-        if partition.1 == held {
+        if *partition == held {
             assert!(
                 n - before > 256,
                 "{what}: the held partition had {} events behind the failing one, too few to fill its lane",
@@ -195,4 +211,45 @@ async fn kafka_one_failing_key_holds_only_its_partition() {
     let config = Config::new("independent-kafka", KeyExtractor::JsonPointer("/id".into()));
     let source = KafkaSource::connect(&kafka, &config).await.unwrap();
     one_failing_key_holds_only_its_partition("kafka", source).await;
+}
+
+#[cfg(feature = "rabbitmq")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rabbitmq_one_failing_key_holds_only_its_queue() {
+    use idem::rabbitmq::{RabbitConfig, RabbitSource, create_queue, delete_queue};
+    let url = std::env::var("IDEM_RABBITMQ_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let queues: Vec<String> = (0..4).map(|q| format!("independent-{}-{nanos}-{q}", std::process::id())).collect();
+    for queue in &queues {
+        create_queue(&url, queue, false).await.unwrap();
+    }
+    to_queues(&url, &queues).await;
+    let names: Vec<&str> = queues.iter().map(String::as_str).collect();
+    let config = Config::new("independent-rabbitmq", KeyExtractor::JsonPointer("/id".into())).batch_size(20);
+    let source = RabbitSource::connect(&RabbitConfig::new(url.clone(), &names), &config).await.unwrap();
+    one_failing_key_holds_only_its_partition("rabbitmq", source).await;
+    for queue in &queues {
+        delete_queue(&url, queue).await.unwrap();
+    }
+}
+
+/// JetStream: one consumer, its partitions a hash of the subject. The held partition keeps what it was handed (here
+/// about 600 messages, under the consumer's `max_ack_pending` of 1,000) and the others go on.
+#[cfg(feature = "nats")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nats_one_failing_key_holds_only_its_partition() {
+    use idem::nats::{NatsConfig, NatsProducer, NatsSource, create_stream};
+    let url = std::env::var("IDEM_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let stream = format!("independent-{}-{nanos}", std::process::id());
+    create_stream(&url, &stream, &[&format!("{stream}.>")], Duration::from_secs(7 * 86_400)).await.unwrap();
+    let producer = NatsProducer::connect(&url).await.unwrap();
+    let messages: Vec<(String, Vec<u8>)> =
+        records().into_iter().map(|(key, payload)| (format!("{stream}.{key}"), payload.into_bytes())).collect();
+    producer.send_in_order(&messages).await.unwrap();
+    let nats = NatsConfig { partitions: 4, ..NatsConfig::new(url.clone(), stream.as_str()) };
+    let config = Config::new("independent-nats", KeyExtractor::JsonPointer("/id".into())).batch_size(20);
+    let source = NatsSource::connect(&nats, &config).await.unwrap();
+    one_failing_key_holds_only_its_partition("nats", source).await;
+    idem::nats::delete_stream(&url, &stream).await.unwrap();
 }

@@ -61,7 +61,12 @@ impl Subject for &[Item] {
         let located = match item {
             Some(item) => {
                 let m = item.message();
-                Located { event_id: key_of(item).unwrap_or(""), topic: &m.topic, partition: m.partition, offset: m.offset }
+                Located {
+                    event_id: key_of(item).unwrap_or(""),
+                    topic: &m.topic,
+                    partition: m.partition,
+                    offset: m.offset,
+                }
             }
             None => Located { event_id: "", topic: "", partition: 0, offset: -1 },
         };
@@ -216,8 +221,12 @@ impl<DB: Backend> Engine<DB> {
         shutdown: &Shutdown,
     ) -> Result<Attempted, Error> {
         let config = &self.inner.config;
-        let retrying =
-            Retrying { group: &config.group, what: "the batch", subject: &items, on_retry: &|| self.count_retry(items) };
+        let retrying = Retrying {
+            group: &config.group,
+            what: "the batch",
+            subject: &items,
+            on_retry: &|| self.count_retry(items),
+        };
         let topic = items.first().map_or("", |i| i.message().topic.as_str());
         let batch = tracing::info_span!(
             "idem.batch",

@@ -269,3 +269,71 @@ impl<DB: Backend> Engine<DB> {
         .set(0.0);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records the calls a source's pause gets.
+    #[derive(Default)]
+    struct Recorded(Mutex<Vec<(&'static str, Partition)>>);
+
+    impl PausePartitions for Recorded {
+        fn pause(&self, partitions: &[Partition]) -> Result<(), crate::SourceError> {
+            self.0.lock().unwrap().extend(partitions.iter().map(|p| ("pause", p.clone())));
+            Ok(())
+        }
+
+        fn resume(&self, partitions: &[Partition]) -> Result<(), crate::SourceError> {
+            self.0.lock().unwrap().extend(partitions.iter().map(|p| ("resume", p.clone())));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_lane_is_paused_at_its_high_mark_once_and_resumed_at_its_low_mark() {
+        let (lanes, limits, source) = (Lanes::default(), Limits::for_batch(10), Recorded::default());
+        let p = Partition { topic: "t".into(), partition: 3 };
+        let lane = lanes.open(&p);
+        for _ in 0..limits.high + 50 {
+            lanes.arrived(&lane, &limits, Some(&source));
+        }
+        assert_eq!(*source.0.lock().unwrap(), vec![("pause", p.clone())], "paused once, at the high mark");
+        lanes.finished(&lane, 10, &limits, Some(&source));
+        assert_eq!(source.0.lock().unwrap().len(), 1, "still above the low mark");
+        lanes.finished(&lane, limits.high + 40 - limits.low, &limits, Some(&source));
+        assert_eq!(source.0.lock().unwrap().last(), Some(&("resume", p.clone())));
+        assert_eq!(lane.queued.load(Ordering::SeqCst), limits.low);
+
+        // A lane with work and no commit for the stall time is stalled; an empty one never is.
+        assert!(lanes.stalled("g", Duration::from_secs(3600)).is_empty());
+        let stalled = lanes.stalled("g", Duration::ZERO);
+        assert_eq!(stalled.len(), 1);
+        assert_eq!((stalled[0].partition, stalled[0].waiting), (3, limits.low));
+        lanes.finished(&lane, limits.low, &limits, Some(&source));
+        assert!(lanes.stalled("g", Duration::ZERO).is_empty());
+
+        // Closing a paused lane resumes it, and the cap counts every lane.
+        for _ in 0..limits.high {
+            lanes.arrived(&lane, &limits, Some(&source));
+        }
+        lanes.close(&p, Some(&source));
+        assert_eq!(source.0.lock().unwrap().last(), Some(&("resume", p.clone())));
+        assert_eq!(lanes.total.load(Ordering::SeqCst), 0);
+        assert_eq!(lanes.count(), 0);
+    }
+
+    #[test]
+    fn without_a_pause_the_lanes_fill_up_to_the_cap() {
+        let (lanes, limits) = (Lanes::default(), Limits::for_batch(100));
+        let lane = lanes.open(&Partition { topic: "t".into(), partition: 0 });
+        for _ in 0..limits.cap - 1 {
+            lanes.arrived(&lane, &limits, None);
+        }
+        assert!(!lanes.full(&limits));
+        lanes.arrived(&lane, &limits, None);
+        assert!(lanes.full(&limits));
+        lanes.finished(&lane, 100, &limits, None);
+        assert!(!lanes.full(&limits));
+    }
+}

@@ -117,8 +117,12 @@ pub(crate) struct One<'a> {
 impl Subject for One<'_> {
     fn locate(&self, _: Option<usize>) -> (Located<'_>, usize) {
         let m = self.message;
-        let located =
-            Located { event_id: self.event_id.unwrap_or(""), topic: &m.topic, partition: m.partition, offset: m.offset };
+        let located = Located {
+            event_id: self.event_id.unwrap_or(""),
+            topic: &m.topic,
+            partition: m.partition,
+            offset: m.offset,
+        };
         (located, 1)
     }
 }
