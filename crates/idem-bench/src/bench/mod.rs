@@ -4,7 +4,8 @@
 //! Legs: pgbench running the per-event transaction; the Python reference handler; idem with one transaction per
 //! event at 1, 2 and 4 partitions; idem batched (100 and 1,000; per-message and batch handler); the batched SQL
 //! limit (a raw loop: one multi-row claim and one UPDATE per batch); end to end from Kafka, NATS JetStream and
-//! RabbitMQ next to their read limits; the outbox (an enqueue per event, the relay next to the produce limits).
+//! RabbitMQ next to their read limits; the outbox (an enqueue per event, the relay next to the produce limits); one
+//! key failing for a while against the same run without it (the other partitions' rate).
 
 use std::collections::{HashSet, VecDeque};
 use std::path::PathBuf;
@@ -24,6 +25,7 @@ use idem_cli::demo::Rng;
 
 mod brokers;
 mod configured;
+mod failing_key;
 mod idem_legs;
 mod kafka;
 mod outbox;
@@ -235,6 +237,16 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
                 runs.push(idem_leg(&pool, &args, &work, 1, partitions, HandlerKind::PerMessage).await?);
             }
             legs.push(Leg::new(name, runs));
+        }
+    }
+    for (name, fail) in [(failing_key::FAILING, true), (failing_key::CONTROL, false)] {
+        if wanted(name) {
+            progress(name);
+            let mut runs = Vec::new();
+            for _ in 0..args.runs {
+                runs.push(failing_key::failing_key_leg(&pool, &args, &work, fail).await?);
+            }
+            legs.push(Leg::new(name.to_owned(), runs));
         }
     }
     let name = "idem configured per-event (idem run), 1 partition(s)".to_owned();

@@ -28,6 +28,11 @@ pub(super) fn ratios(legs: &[Leg]) -> Vec<(String, f64)> {
         median("idem configured per-event (idem run), 1 partition(s)"),
         median("idem per-event, 1 partition(s)"),
     );
+    ratio(
+        "other partitions with one key failing ÷ without the failure".into(),
+        median(super::failing_key::FAILING),
+        median(super::failing_key::CONTROL),
+    );
     let reference = median("reference handler (Python, psycopg 3)");
     for batch in [100, 1_000] {
         let per_message = median(&format!("idem batched {batch}, per-message handler"));
