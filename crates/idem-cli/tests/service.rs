@@ -287,14 +287,17 @@ async fn check_accepts_a_good_file_and_names_each_bad_one_with_its_line() {
         (good.clone() + "\n[[consumer.emit]]\npayload = \":nothing\"\n", "declare destination"),
         ("[database\nurl = 1".into(), ""),
         (good.replace("name = \"ledger\"", "name = \"ledger\"\ngroup = \"ledger\\nv2\""), "holds a line break"),
+        (good.replace("batch_size = 10", "batch_size = 10\nstall_after = \"0s\""), "stall_after: 0 would call every partition"),
+        (good.replace("batch_size = 10", "batch_size = 10\nstall_after = \"soon\""), "stall_after"),
     ];
     for (content, expected) in cases {
         let (ok, out) = check(&dir, &content, &[]);
         assert!(!ok, "accepted: {content}");
         assert!(out.contains(expected), "expected `{expected}` in:\n{out}");
         assert!(out.contains("nothing was consumed"), "{out}");
-        if let Some(key) =
-            ["batch_sise", ":ident", "balanse", "event_id\"", "revision"].iter().find(|k| content.contains(**k))
+        if let Some(key) = ["batch_sise", ":ident", "balanse", "event_id\"", "revision", "stall_after"]
+            .iter()
+            .find(|k| content.contains(**k))
         {
             let line = line_of(key, &content).expect("line");
             assert!(out.contains(&format!("check.toml:{line}:")), "line {line} of `{key}` not named:\n{out}");

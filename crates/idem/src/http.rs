@@ -39,7 +39,8 @@ pub struct Readiness {
     /// Partitions with a worker, for a consumer.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub partitions: Option<u64>,
-    /// Partitions that hold work and have not committed for the consumer's `stall_after`.
+    /// Partitions that hold work and have not committed for the consumer's `stall_after`: a detail, not a
+    /// reason to be unready (the other partitions go on).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub stalled: Vec<crate::Stalled>,
 }
@@ -79,21 +80,7 @@ impl<DB: Backend> Probe for Engine<DB> {
                 "paused: the kill switch tripped (see the consumer's log); POST /resume to try again now",
             );
         }
-        if !health.stalled.is_empty() {
-            let named: Vec<String> = health
-                .stalled
-                .iter()
-                .map(|s| format!("{}/{} ({} s, {} waiting)", s.topic, s.partition, s.seconds, s.waiting))
-                .collect();
-            let reason = format!(
-                "stalled: {} held work without a commit for {:?} or more (the other partitions go on; the consumer's \
-                 retry warnings name the event at fault)",
-                named.join(", "),
-                self.config().stall_after
-            );
-            return Readiness { ready: false, reason, partitions: Some(health.partitions), stalled: health.stalled };
-        }
-        Readiness::ready(Some(health.partitions))
+        Readiness { stalled: health.stalled, ..Readiness::ready(Some(health.partitions)) }
     }
 
     fn resume(&self) -> Option<bool> {
@@ -119,7 +106,7 @@ impl<P: Probe> Probe for Vec<P> {
             }
         }
         match reasons.is_empty() {
-            true => Readiness::ready(Some(partitions)),
+            true => Readiness { stalled, ..Readiness::ready(Some(partitions)) },
             false => Readiness { ready: false, reason: reasons.join("; "), partitions: None, stalled },
         }
     }

@@ -158,15 +158,16 @@ pub trait Source: Send + Sync + 'static {
 
     /// The source's per-partition pause, where it has one (Kafka, the embedded log). The engine pauses a
     /// partition whose worker falls behind (a failing key retrying, a slow handler) so that the others go on
-    /// being read; a source without one bounds what it hands out by the broker's own in-flight limit (RabbitMQ's
-    /// prefetch per queue, JetStream's `max_ack_pending`, the SQS receive loop).
+    /// being read; without one, what a partition holds is bounded by the broker's own in-flight limit (RabbitMQ's
+    /// prefetch per queue, JetStream's `max_ack_pending`) and by the engine's cap over all partitions.
     fn pausing(&self) -> Option<&dyn PausePartitions> {
         None
     }
 }
 
 /// A source that can stop fetching some of its partitions while the rest flow (Kafka's pause and resume). Both
-/// calls return at once; a message fetched before the pause may still be yielded after it, in order.
+/// calls return quickly (Kafka's wait for the client's own thread, not for the broker); a message fetched before
+/// the pause may still be yielded after it, in order.
 pub trait PausePartitions: Send + Sync {
     /// Stops fetching `partitions` until [`PausePartitions::resume`].
     fn pause(&self, partitions: &[Partition]) -> Result<(), SourceError>;

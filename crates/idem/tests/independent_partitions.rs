@@ -2,8 +2,9 @@
 //! The other partitions are read and applied to their end while it fails (before, the poller waited on the
 //! failing partition's full queue and every partition stopped), the held partition is reported as stalled, and
 //! once the failure clears the held key's events are applied in their order, each once. Run on the embedded log
-//! and Kafka (both pause a partition at the source) and on RabbitMQ (each queue a partition, held to its
-//! prefetch), against PostgreSQL.
+//! and Kafka (both pause a partition at the source), on RabbitMQ (each queue a partition, held to its prefetch)
+//! and on NATS JetStream (partitions hashed over one consumer, within its `max_ack_pending`), against
+//! PostgreSQL.
 
 mod common;
 
@@ -97,10 +98,19 @@ async fn applied(pool: &sqlx::PgPool) -> i64 {
     sqlx::query_scalar("SELECT COUNT(*) FROM applied").fetch_one(pool).await.unwrap()
 }
 
-/// Runs `source` with the failing key held, then released, and checks what the module documentation says.
-async fn one_failing_key_holds_only_its_partition<S: Source>(what: &str, source: S) {
+/// The consumer group of a run (unique, so a broker's committed offsets of an earlier run play no part).
+fn group(what: &str) -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!("independent-{what}-{}-{nanos}", std::process::id())
+}
+
+/// Runs `source` (of consumer group `group`) with the failing key held, then released, and checks what the module
+/// documentation says. `fills_lane`: the source hands the held partition more than a lane holds (256), as the
+/// embedded log and Kafka do; a broker's own limit (RabbitMQ's prefetch) or a partition hash that varies from run
+/// to run (NATS) may hand it fewer.
+async fn one_failing_key_holds_only_its_partition<S: Source>(what: &str, group: String, source: S, fills_lane: bool) {
     let db = common::pg().await;
-    let config = Config::new(format!("independent-{what}"), KeyExtractor::JsonPointer("/id".into()))
+    let config = Config::new(group, KeyExtractor::JsonPointer("/id".into()))
         .batch_size(20)
         .max_attempts(1_000_000)
         .backoff(Duration::from_millis(20), Duration::from_millis(200))
@@ -140,7 +150,7 @@ async fn one_failing_key_holds_only_its_partition<S: Source>(what: &str, source:
     assert_eq!(health.stalled.len(), 1, "{what}: only the failing key's partition is stalled: {:?}", health.stalled);
     let stalled = (health.stalled[0].topic.clone(), health.stalled[0].partition);
     assert_eq!(stalled, held, "{what}: {:?}", health.stalled);
-    assert!(!health.ready(), "{what}: a stalled partition shows in readiness");
+    assert!(health.ready(), "{what}: a stalled partition is a detail: the consumer stays ready");
     let during = per_partition(&db.pool).await;
     let stats = engine.stats();
     assert_eq!(stats.dead_lettered, 0, "{what}: nothing dead-lettered while retrying");
@@ -154,8 +164,9 @@ async fn one_failing_key_holds_only_its_partition<S: Source>(what: &str, source:
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let _ = stop_tx.send(());
-    run.await.unwrap().unwrap();
+    let stats = run.await.unwrap().unwrap();
     assert_eq!(applied(&db.pool).await, total, "{what}: every event once");
+    assert_eq!((stats.processed, stats.dead_lettered), (total as u64, 0), "{what}: {stats:?}");
     let out_of_order: i64 = sqlx::query_scalar(
         "SELECT COUNT(*) FROM applied a JOIN applied b ON a.key = b.key AND a.n < b.n AND a.seq > b.seq",
     )
@@ -163,7 +174,6 @@ async fn one_failing_key_holds_only_its_partition<S: Source>(what: &str, source:
     .await
     .unwrap();
     assert_eq!(out_of_order, 0, "{what}: a key's events applied out of order");
-    assert!(engine.health().stalled.is_empty(), "{what}: no stall once the run is over");
 
     let after = per_partition(&db.pool).await;
     assert!(after.len() > 1, "{what}: the events spread over several partitions: {after:?}");
@@ -171,7 +181,7 @@ async fn one_failing_key_holds_only_its_partition<S: Source>(what: &str, source:
         let before = during.get(partition).copied().unwrap_or(0);
         if *partition == held {
             assert!(
-                n - before > 256,
+                !fills_lane || n - before > 256,
                 "{what}: the held partition had {} events behind the failing one, too few to fill its lane",
                 n - before
             );
@@ -192,8 +202,9 @@ async fn embedded_log_one_failing_key_holds_only_its_partition() {
         producer.send("payments", Some(key.as_bytes()), payload.as_bytes(), &[]).unwrap();
     }
     producer.flush().unwrap();
-    let source = log.consumer("independent-embedded", &["payments"], ConsumerOptions::default()).unwrap();
-    one_failing_key_holds_only_its_partition("embedded log", source).await;
+    let group = group("embedded");
+    let source = log.consumer(&group, &["payments"], ConsumerOptions::default()).unwrap();
+    one_failing_key_holds_only_its_partition("embedded log", group, source, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -208,9 +219,10 @@ async fn kafka_one_failing_key_holds_only_its_partition() {
         producer.send(&topic, Some(key.as_bytes()), payload.as_bytes(), &[]).await.unwrap();
     }
     let kafka = KafkaConfig::new(brokers, &[&topic]).set("session.timeout.ms", "6000");
-    let config = Config::new("independent-kafka", KeyExtractor::JsonPointer("/id".into()));
+    let group = group("kafka");
+    let config = Config::new(group.clone(), KeyExtractor::JsonPointer("/id".into()));
     let source = KafkaSource::connect(&kafka, &config).await.unwrap();
-    one_failing_key_holds_only_its_partition("kafka", source).await;
+    one_failing_key_holds_only_its_partition("kafka", group, source, true).await;
 }
 
 #[cfg(feature = "rabbitmq")]
@@ -225,16 +237,18 @@ async fn rabbitmq_one_failing_key_holds_only_its_queue() {
     }
     to_queues(&url, &queues).await;
     let names: Vec<&str> = queues.iter().map(String::as_str).collect();
-    let config = Config::new("independent-rabbitmq", KeyExtractor::JsonPointer("/id".into())).batch_size(20);
+    let group = group("rabbitmq");
+    let config = Config::new(group.clone(), KeyExtractor::JsonPointer("/id".into())).batch_size(20);
     let source = RabbitSource::connect(&RabbitConfig::new(url.clone(), &names), &config).await.unwrap();
-    one_failing_key_holds_only_its_partition("rabbitmq", source).await;
+    one_failing_key_holds_only_its_partition("rabbitmq", group, source, false).await;
     for queue in &queues {
         delete_queue(&url, queue).await.unwrap();
     }
 }
 
-/// JetStream: one consumer, its partitions a hash of the subject. The held partition keeps what it was handed (here
-/// about 600 messages, under the consumer's `max_ack_pending` of 1,000) and the others go on.
+/// JetStream: one consumer, its partitions a hash of the subject (which keys share the failing key's partition
+/// changes with the stream's name). The held partition keeps what it was handed, within the consumer's
+/// `max_ack_pending` (set above the whole run here), and the others go on.
 #[cfg(feature = "nats")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn nats_one_failing_key_holds_only_its_partition() {
@@ -247,9 +261,11 @@ async fn nats_one_failing_key_holds_only_its_partition() {
     let messages: Vec<(String, Vec<u8>)> =
         records().into_iter().map(|(key, payload)| (format!("{stream}.{key}"), payload.into_bytes())).collect();
     producer.send_in_order(&messages).await.unwrap();
-    let nats = NatsConfig { partitions: 4, ..NatsConfig::new(url.clone(), stream.as_str()) };
-    let config = Config::new("independent-nats", KeyExtractor::JsonPointer("/id".into())).batch_size(20);
+    let nats =
+        NatsConfig { partitions: 4, max_ack_pending: Some(10_000), ..NatsConfig::new(url.clone(), stream.as_str()) };
+    let group = group("nats");
+    let config = Config::new(group.clone(), KeyExtractor::JsonPointer("/id".into())).batch_size(20);
     let source = NatsSource::connect(&nats, &config).await.unwrap();
-    one_failing_key_holds_only_its_partition("nats", source).await;
+    one_failing_key_holds_only_its_partition("nats", group, source, false).await;
     idem::nats::delete_stream(&url, &stream).await.unwrap();
 }

@@ -32,6 +32,8 @@ pub(crate) struct Lane {
     paused: Mutex<bool>,
     /// Whether the stall watch has reported this lane as stalled (so it logs once each way).
     reported: Mutex<bool>,
+    /// Whether a failed pause was logged (so a source that cannot pause is not logged once per message).
+    pause_failed: std::sync::atomic::AtomicBool,
 }
 
 /// A partition that holds work and has not committed for [`Config::stall_after`](crate::Config::stall_after).
@@ -107,6 +109,7 @@ impl Lanes {
             in_hand: AtomicI64::new(NONE),
             paused: Mutex::new(false),
             reported: Mutex::new(false),
+            pause_failed: std::sync::atomic::AtomicBool::new(false),
         });
         self.map().insert(partition.clone(), Arc::clone(&lane));
         lane
@@ -114,8 +117,9 @@ impl Lanes {
 
     /// Forgets the lane of `partition` (revoked, or the run ended), resuming it at the source if it was paused:
     /// a partition assigned again starts unpaused.
-    pub(crate) fn close(&self, partition: &Partition, pausing: Option<&dyn PausePartitions>) {
-        let Some(lane) = self.map().remove(partition) else { return };
+    /// Says whether there was a lane to close.
+    pub(crate) fn close(&self, partition: &Partition, pausing: Option<&dyn PausePartitions>) -> bool {
+        let Some(lane) = self.map().remove(partition) else { return false };
         self.total.fetch_sub(lane.queued.swap(0, Ordering::SeqCst), Ordering::SeqCst);
         let mut paused = lane.paused.lock().unwrap_or_else(PoisonError::into_inner);
         if *paused && let Some(pausing) = pausing {
@@ -123,6 +127,13 @@ impl Lanes {
         }
         *paused = false;
         self.progress.notify_waiters();
+        true
+    }
+
+    /// Forgets every lane (a new run starts with none, whatever an earlier run left behind).
+    pub(crate) fn reset(&self) {
+        self.map().clear();
+        self.total.store(0, Ordering::SeqCst);
     }
 
     /// How many partitions have a lane.
@@ -130,7 +141,7 @@ impl Lanes {
         self.map().len()
     }
 
-    /// Counts one message into `lane`; pauses its partition at the source when the lane is over `high`.
+    /// Counts one message into `lane`; pauses its partition at the source when the lane holds `high` or more.
     pub(crate) fn arrived(&self, lane: &Lane, limits: &Limits, pausing: Option<&dyn PausePartitions>) {
         if lane.queued.fetch_add(1, Ordering::SeqCst) == 0 {
             lane.moved_at.store(self.now_ms(), Ordering::SeqCst);
@@ -148,8 +159,11 @@ impl Lanes {
                     tracing::debug!(topic = %lane.partition.topic, partition = lane.partition.partition,
                         waiting = lane.queued.load(Ordering::SeqCst), "partition behind: paused at the source");
                 }
-                Err(error) => tracing::warn!(topic = %lane.partition.topic, partition = lane.partition.partition,
-                    %error, "pausing a partition that is behind failed; its messages are held in memory"),
+                Err(error) if !lane.pause_failed.swap(true, Ordering::SeqCst) => {
+                    tracing::warn!(topic = %lane.partition.topic, partition = lane.partition.partition, %error,
+                        "pausing a partition that is behind failed; its messages are held in memory")
+                }
+                Err(_) => {}
             }
         }
     }
@@ -169,21 +183,29 @@ impl Lanes {
         lane.in_hand.store(offset, Ordering::SeqCst);
     }
 
-    /// The worker finished `n` messages (committed and acknowledged, or abandoned); resumes the partition at the
-    /// source when it was paused and the lane is down to `low`.
+    /// The worker committed and acknowledged `n` messages; resumes the partition at the source when it was paused
+    /// and the lane is down to `low`. (A batch abandoned at a stop or a revocation is accounted for by
+    /// [`Lanes::close`].)
     pub(crate) fn finished(&self, lane: &Lane, n: usize, limits: &Limits, pausing: Option<&dyn PausePartitions>) {
         lane.in_hand.store(NONE, Ordering::SeqCst);
         lane.moved_at.store(self.now_ms(), Ordering::SeqCst);
-        let before = lane.queued.fetch_sub(n, Ordering::SeqCst);
-        self.total.fetch_sub(n.min(before), Ordering::SeqCst);
+        let before = lane.queued.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |q| Some(q.saturating_sub(n)));
+        let taken = n.min(before.unwrap_or(0));
+        let _ = self.total.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |t| Some(t.saturating_sub(taken)));
         self.progress.notify_waiters();
+        self.resume_if_caught_up(lane, limits, pausing);
+    }
+
+    /// Resumes `lane`'s partition at the source when it is paused and down to `low`; a failed resume is tried
+    /// again by the next batch or by the stall watch (every second), so a partition never stays paused.
+    fn resume_if_caught_up(&self, lane: &Lane, limits: &Limits, pausing: Option<&dyn PausePartitions>) {
         let Some(pausing) = pausing else { return };
         let mut paused = lane.paused.lock().unwrap_or_else(PoisonError::into_inner);
         if *paused && lane.queued.load(Ordering::SeqCst) <= limits.low {
             match pausing.resume(std::slice::from_ref(&lane.partition)) {
                 Ok(()) => *paused = false,
                 Err(error) => tracing::warn!(topic = %lane.partition.topic, partition = lane.partition.partition,
-                    %error, "resuming a paused partition failed; trying again after the next batch"),
+                    %error, "resuming a paused partition failed; trying again within a second"),
             }
         }
     }
@@ -191,7 +213,7 @@ impl Lanes {
     /// The lanes that hold work and have not moved for `after`.
     pub(crate) fn stalled(&self, group: &str, after: Duration) -> Vec<Stalled> {
         let now = self.now_ms();
-        let after = after.as_millis() as u64;
+        let after = u64::try_from(after.as_millis()).unwrap_or(u64::MAX);
         let mut stalled: Vec<Stalled> = self
             .map()
             .values()
@@ -215,20 +237,25 @@ impl Lanes {
 
 impl<DB: Backend> Engine<DB> {
     /// Every second while the engine runs: the gauges of each lane (`partition_stalled_seconds`,
-    /// `partition_waiting_messages`), and a WARN when a lane stalls, an INFO when it moves again.
-    pub(super) async fn watch_stalls(self) {
+    /// `partition_waiting_messages`), a WARN when a lane stalls, an INFO when it moves again, and a resume of a
+    /// paused lane that caught up while its last resume failed. The gauges are written under the lanes' lock, so
+    /// a lane closed meanwhile keeps the zeros [`Engine::close_lane`] wrote.
+    pub(super) async fn watch_stalls<S: Source>(self, source: Arc<S>) {
         let config = &self.inner.config;
         let lanes = &self.inner.lanes;
+        let limits = Limits::for_batch(config.batch_size);
+        let stall_after = u64::try_from(config.stall_after.as_millis()).unwrap_or(u64::MAX);
         let mut tick = tokio::time::interval(Duration::from_secs(1).min(config.stall_after));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
             let now = lanes.now_ms();
-            let all: Vec<Arc<Lane>> = lanes.map().values().cloned().collect();
-            for lane in all {
+            let all = lanes.map();
+            for lane in all.values() {
+                lanes.resume_if_caught_up(lane, &limits, source.pausing());
                 let waiting = lane.queued.load(Ordering::SeqCst);
                 let idle = now.saturating_sub(lane.moved_at.load(Ordering::SeqCst));
-                let stalled = waiting > 0 && idle >= config.stall_after.as_millis() as u64;
+                let stalled = waiting > 0 && idle >= stall_after;
                 let (topic, partition) = (lane.partition.topic.clone(), lane.partition.partition.to_string());
                 metrics::gauge!("partition_stalled_seconds", "consumer_group" => config.group.clone(),
                     "topic" => topic.clone(), "partition" => partition.clone())
@@ -256,9 +283,11 @@ impl<DB: Backend> Engine<DB> {
 }
 
 impl<DB: Backend> Engine<DB> {
-    /// Closes the lane of `partition` and clears its gauges.
+    /// Closes the lane of `partition` and clears its gauges (where it had a lane).
     pub(super) fn close_lane<S: Source>(&self, partition: &Partition, source: &S) {
-        self.inner.lanes.close(partition, source.pausing());
+        if !self.inner.lanes.close(partition, source.pausing()) {
+            return;
+        }
         let group = self.inner.config.group.clone();
         let (topic, number) = (partition.topic.clone(), partition.partition.to_string());
         metrics::gauge!("partition_stalled_seconds", "consumer_group" => group.clone(), "topic" => topic.clone(),
@@ -317,7 +346,7 @@ mod tests {
         for _ in 0..limits.high {
             lanes.arrived(&lane, &limits, Some(&source));
         }
-        lanes.close(&p, Some(&source));
+        assert!(lanes.close(&p, Some(&source)));
         assert_eq!(source.0.lock().unwrap().last(), Some(&("resume", p.clone())));
         assert_eq!(lanes.total.load(Ordering::SeqCst), 0);
         assert_eq!(lanes.count(), 0);

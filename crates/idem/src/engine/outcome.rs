@@ -128,15 +128,16 @@ pub struct Health {
     /// The kill switch tripped: the consumer holds, taking no new work (see [`crate::kill_switch`]).
     pub paused: bool,
     /// Partitions that hold work and have not committed for [`Config::stall_after`](crate::Config::stall_after)
-    /// (a message retrying, a handler waiting); the other partitions go on.
+    /// (a message retrying, a handler waiting). The consumer stays ready: the other partitions go on.
     pub stalled: Vec<super::Stalled>,
 }
 
 impl Health {
-    /// Ready to take work: running, not draining, not paused, no partition stalled. (Partitions appear with the
-    /// first message.)
+    /// Ready to take work: running, not draining, not paused. A stalled partition does not make the consumer
+    /// unready (the others go on); it is reported in [`Health::stalled`]. (Partitions appear with the first
+    /// message.)
     pub fn ready(&self) -> bool {
-        self.running && !self.draining && !self.paused && self.stalled.is_empty()
+        self.running && !self.draining && !self.paused
     }
 }
 

@@ -173,7 +173,7 @@ where
                     attempt = attempts,
                     max_attempts = config.max_attempts,
                     ?delay,
-                    "retryable handler error; retrying {} (the partition waits; the others go on)",
+                    "retryable handler error; retrying {} (its partition waits)",
                     retrying.what
                 );
                 delay

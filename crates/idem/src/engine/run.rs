@@ -57,9 +57,10 @@ impl<DB: Backend> Engine<DB> {
         self.inner.draining.store(false, Ordering::SeqCst);
         self.inner.running.store(true, Ordering::SeqCst);
         let (fatal_tx, mut fatal_rx) = mpsc::unbounded_channel::<Error>();
-        let _stalls = AbortOnDrop(tokio::spawn(self.clone().watch_stalls()));
         let limits = Limits::for_batch(self.inner.config.batch_size);
         let lanes = &self.inner.lanes;
+        lanes.reset();
+        let _stalls = AbortOnDrop(tokio::spawn(self.clone().watch_stalls(Arc::clone(&source))));
         let mut workers: HashMap<Partition, Worker> = HashMap::new();
         let mut source_failures = 0u32;
         let stop_reason: Result<(), Error> = 'poll: loop {
@@ -98,11 +99,12 @@ impl<DB: Backend> Engine<DB> {
                         for partition in &partitions {
                             if let Some(worker) = workers.remove(partition) {
                                 worker.stopping.trigger();
-                                if let Err(error) = worker.finish().await {
+                                let finished = worker.finish().await;
+                                self.close_lane(partition, source.as_ref());
+                                if let Err(error) = finished {
                                     break 'poll Err(error);
                                 }
                             }
-                            self.close_lane(partition, source.as_ref());
                         }
                         tracing::info!(?partitions, "revoked partitions drained");
                         drained.done();
@@ -127,6 +129,12 @@ impl<DB: Backend> Engine<DB> {
             }
         };
         self.inner.draining.store(true, Ordering::SeqCst);
+        if stop_reason.is_err() {
+            // A fatal error: every worker stops after the transaction in hand, without retrying what it holds.
+            for worker in workers.values() {
+                worker.stopping.trigger();
+            }
+        }
         let mut first_error = stop_reason.err();
         for (partition, worker) in workers.drain() {
             if let Err(error) = worker.finish().await {
@@ -213,7 +221,18 @@ impl<DB: Backend> Engine<DB> {
                             .filter_map(|(handle, dead)| handle.filter(|_| dead))
                             .collect();
                     }
-                    Err(Error::Stopped) => break,
+                    Err(Error::Stopped) if stop.triggered() => break,
+                    Err(Error::Stopped) => {
+                        // Not told to stop: the worker cannot go on with this batch, and its partition must not
+                        // be left without one.
+                        let _ = fatal.send(Error::Worker(format!(
+                            "the worker of {}/{} stopped at offset {} without being told to; nothing of its batch \
+                             was acknowledged",
+                            partition.topic, partition.partition, acknowledgement.last_offset
+                        )));
+                        guard.fatal = None;
+                        return;
+                    }
                     Err(error) => {
                         tracing::error!(%error, topic = %partition.topic, partition = partition.partition, "partition worker stopped");
                         let _ = fatal.send(error);

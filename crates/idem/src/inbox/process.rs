@@ -76,6 +76,7 @@ impl SequentialInbox {
                     tracing::warn!(topic = %message.topic, partition = message.partition, offset = message.offset,
                         reason, "message cannot be sequenced; dead-lettered");
                     self.dead_letter(None, &message, &reason, 1, shutdown).await?;
+                    self.engine.dead_letters_written(1);
                     outcomes.push(InboxOutcome::DeadLettered);
                 }
             }
