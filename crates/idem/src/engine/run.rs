@@ -70,7 +70,12 @@ impl<DB: Backend> Engine<DB> {
             tokio::select! {
                 biased;
                 error = fatal_rx.recv() => {
-                    if let Some(error) = error { break Err(error); }
+                    if let Some(error) = error {
+                        // A worker failed for good: the others stop after the transaction in hand, without
+                        // retrying what they hold. (A source's error lets them finish what was read before it.)
+                        for worker in workers.values() { worker.stopping.trigger(); }
+                        break Err(error);
+                    }
                 }
                 _ = &mut shutdown => {
                     tracing::info!(consumer_group = %self.inner.config.group, "shutdown requested: draining in-flight batches");
@@ -129,12 +134,6 @@ impl<DB: Backend> Engine<DB> {
             }
         };
         self.inner.draining.store(true, Ordering::SeqCst);
-        if stop_reason.is_err() {
-            // A fatal error: every worker stops after the transaction in hand, without retrying what it holds.
-            for worker in workers.values() {
-                worker.stopping.trigger();
-            }
-        }
         let mut first_error = stop_reason.err();
         for (partition, worker) in workers.drain() {
             if let Err(error) = worker.finish().await {
