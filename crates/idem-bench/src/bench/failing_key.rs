@@ -6,6 +6,7 @@
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use super::idem_legs::Credit;
 use super::*;
 
 const PARTITIONS: i32 = 4;
@@ -18,12 +19,6 @@ struct LockedAccount {
     held: i32,
     failing: Arc<AtomicBool>,
     others_applied: Arc<AtomicU64>,
-}
-
-#[derive(serde::Deserialize)]
-struct Credit {
-    account: i64,
-    amount: i64,
 }
 
 impl Handler<sqlx::Postgres> for LockedAccount {

@@ -18,10 +18,11 @@ impl HandlerKind {
     }
 }
 
+/// A payment's account and amount, as the handlers read them.
 #[derive(serde::Deserialize)]
-struct Credit {
-    account: i64,
-    amount: i64,
+pub(super) struct Credit {
+    pub(super) account: i64,
+    pub(super) amount: i64,
 }
 
 #[derive(serde::Deserialize)]
