@@ -4,8 +4,9 @@
 Each trial produces the demo's payment events into a fresh embedded log (`idem demo-produce`), prepares the
 demo's tables in a fresh database (`idem demo-prepare`), and runs 1 to 3 consumer processes of one group
 (`idem demo-worker --follow`) while a fault loop, at random times, kills a worker with SIGKILL, terminates the
-database's backends, makes the database refuse connections, or cuts the network between the workers and
-PostgreSQL (a TCP proxy owned by this script). Then the faults stop, the workers are stopped, and one worker
+database's backends, makes the database refuse connections, or cuts the network between the workers and the
+database (a TCP proxy owned by this script). On MySQL/MariaDB (--databases mysql) the backends are ended with
+`KILL CONNECTION`; MySQL has no per-database switch to refuse connections, so that fault is PostgreSQL's alone. Then the faults stop, the workers are stopped, and one worker
 runs alone with no faults until it exits 0 at the end of the log. The ledger is then checked with plain SQL
 against what was produced: every event applied exactly once, nothing lost, nothing doubled.
 
@@ -19,7 +20,7 @@ and restarts as one more fault.
     scripts/chaos.py --idem target/debug/idem --trials 6 --seed 1
     scripts/chaos.py --idem target/release/idem --trials 1000 --json > chaos.json
 
-Python 3 standard library only; PostgreSQL checks go through `psql`. Exit status 0 only if every trial passed.
+Python 3 standard library only; PostgreSQL checks go through `psql`, MySQL's through the `mariadb` client. Exit status 0 only if every trial passed.
 """
 
 import argparse
@@ -44,6 +45,9 @@ TOPIC = "payments"
 HELD = "held by other consumers"
 PG_FAULTS = ("kill", "terminate_backends", "refuse_connections", "proxy_cut")
 SQLITE_FAULTS = ("kill",)
+# MySQL/MariaDB: idem's sessions killed (`KILL CONNECTION`) and the network cut; the server has no per-database
+# switch that refuses new connections.
+MYSQL_FAULTS = ("kill", "terminate_backends", "proxy_cut")
 FAULT_KINDS = PG_FAULTS + ("broker_restart",)
 SESSION_TIMEOUT_MS = 6000  # Kafka workers' session.timeout.ms: a killed member's partitions move after about this
 
@@ -233,6 +237,62 @@ class Server:
             f"WHERE datname = '{name}' AND pid <> pg_backend_pid()"
         )
         return int(out.strip() or 0)
+
+
+class MysqlServer:
+    """MySQL or MariaDB administration through the `mariadb` (or `mysql`) client, never through the proxy."""
+
+    def __init__(self, url):
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme not in ("mysql", "mariadb"):
+            raise SystemExit(f"--mysql {url}: expected mysql://user@host:port")
+        self.host = parsed.hostname or "127.0.0.1"
+        self.port = parsed.port or 3306
+        self.user = urllib.parse.unquote(parsed.username or "root")
+        self.password = urllib.parse.unquote(parsed.password or "")
+        self.client = shutil.which("mariadb") or shutil.which("mysql") or "mariadb"
+
+    def url(self, database, via_port=None):
+        auth = urllib.parse.quote(self.user) + (":" + urllib.parse.quote(self.password) if self.password else "")
+        return f"mysql://{auth}@{self.host}:{via_port or self.port}/{database}"
+
+    def sql(self, sql, database="mysql", timeout=30):
+        """Runs `sql`; returns stdout (tab-separated, no column names). Raises RuntimeError with the error."""
+        done = subprocess.run(
+            [self.client, "-h", self.host, "-P", str(self.port), "-u", self.user, "--protocol=tcp",
+             "--connect-timeout=10", "-N", "-B", "-e", sql, database],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "MYSQL_PWD": self.password},
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"{os.path.basename(self.client)} failed: {done.stderr.strip() or done.stdout.strip()}")
+        return done.stdout
+
+    def create(self, name):
+        self.sql(f"CREATE DATABASE `{name}`")
+
+    def drop(self, name):
+        self.terminate(name)
+        self.sql(f"DROP DATABASE IF EXISTS `{name}`")
+
+    def allow(self, name):
+        pass
+
+    def terminate(self, name):
+        """KILL CONNECTION of every session on the database: idem's open transactions roll back."""
+        ids = self.sql(
+            f"SELECT id FROM information_schema.processlist WHERE db = '{name}' AND id <> CONNECTION_ID()"
+        ).split()
+        killed = 0
+        for session in ids:
+            try:
+                self.sql(f"KILL CONNECTION {int(session)}")
+                killed += 1
+            except RuntimeError:
+                pass  # it ended in the meantime
+        return killed
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -454,15 +514,20 @@ class Trial:
                 os.close(fd)
             self.reservation = None
 
+    @property
+    def server(self):
+        """The administration of this trial's database server (None on SQLite)."""
+        return self.h.mysql if self.backend == "mysql" else self.h.server
+
     def worker_url(self):
         if self.backend == "sqlite":
             return f"sqlite://{os.path.join(self.dir, 'ledger.db')}"
-        return self.h.server.url(self.db_name, via_port=self.proxy.port)
+        return self.server.url(self.db_name, via_port=self.proxy.port)
 
     def direct_url(self):
         if self.backend == "sqlite":
             return f"sqlite://{os.path.join(self.dir, 'ledger.db')}"
-        return self.h.server.url(self.db_name)
+        return self.server.url(self.db_name)
 
     def idem(self, *args, timeout=120):
         done = subprocess.run(
@@ -474,11 +539,11 @@ class Trial:
 
     def setup(self):
         self.dir = tempfile.mkdtemp(prefix=f"idem-chaos-{os.getpid()}-{self.number}-")
-        if self.backend == "postgres":
+        if self.backend != "sqlite":
             self.db_name = f"idem_chaos_{os.getpid()}_{self.number}"
-            self.h.server.create(self.db_name)
-            self.h.created.add(self.db_name)
-            target = (self.h.server.host, self.h.server.port)
+            self.server.create(self.db_name)
+            self.h.created.add((self.backend, self.db_name))
+            target = (self.server.host, self.server.port)
             self.proxy = Proxy(*target, latency=self.latency_ms / 1000)
         self.idem("demo-prepare", "--database-url", self.direct_url())
         if self.transport == "kafka":
@@ -630,7 +695,7 @@ class Trial:
     # ----- faults
 
     def fault_kinds(self):
-        kinds = PG_FAULTS if self.backend == "postgres" else SQLITE_FAULTS
+        kinds = {"postgres": PG_FAULTS, "mysql": MYSQL_FAULTS}.get(self.backend, SQLITE_FAULTS)
         return kinds + (("broker_restart",) if self.transport == "kafka" else ())
 
     def inject(self):
@@ -657,9 +722,9 @@ class Trial:
             slot.killed = True
             self.last_kill_at = now
         elif kind == "terminate_backends":
-            self.h.server.terminate(self.db_name)
+            self.server.terminate(self.db_name)
         elif kind == "refuse_connections":
-            self.h.server.refuse(self.db_name)
+            self.server.refuse(self.db_name)
             self.refused_until = max(self.refused_until or 0, now + self.rng.uniform(0.5, 3.0))
         elif kind == "proxy_cut":
             self.proxy.cut()
@@ -671,7 +736,7 @@ class Trial:
 
     def heal(self, now, everything=False):
         if self.refused_until is not None and (everything or now >= self.refused_until):
-            self.h.server.allow(self.db_name)
+            self.server.allow(self.db_name)
             self.refused_until = None
         if self.cut_until is not None and (everything or now >= self.cut_until):
             self.proxy.restore()
@@ -832,16 +897,20 @@ class Trial:
             )
             res["stderr_tail"] = self.stderr_tail()
             return
+        integer = "SIGNED" if self.backend == "mysql" else "BIGINT"
         sql = (
-            "SELECT (SELECT CAST(COALESCE(SUM(balance), 0) AS BIGINT) FROM idem_demo_accounts),"
+            f"SELECT (SELECT CAST(COALESCE(SUM(balance), 0) AS {integer}) FROM idem_demo_accounts),"
             " (SELECT COUNT(*) FROM idem_demo_ledger),"
             " (SELECT COUNT(DISTINCT event_id) FROM idem_demo_ledger),"
             " (SELECT COUNT(*) FROM idem_demo_processed_events),"
             " (SELECT COUNT(*) FROM idem_demo_dead_letters)"
         )
         if self.backend == "postgres":
-            out = self.h.server.psql(sql, database=self.db_name)
+            out = self.server.psql(sql, database=self.db_name)
             values = [int(v) for v in out.strip().split("|")]
+        elif self.backend == "mysql":
+            out = self.server.sql(sql, database=self.db_name)
+            values = [int(v) for v in out.strip().split("\t")]
         else:
             db = sqlite3.connect(f"file:{os.path.join(self.dir, 'ledger.db')}?mode=ro", uri=True, timeout=30)
             try:
@@ -894,7 +963,7 @@ class Trial:
             self.proxy = None
         if self.db_name is not None and self.refused_until is not None:
             try:
-                self.h.server.allow(self.db_name)
+                self.server.allow(self.db_name)
             except Exception:  # noqa: BLE001
                 pass
             self.refused_until = None
@@ -904,14 +973,14 @@ class Trial:
         if keep:
             if self.db_name:
                 try:
-                    self.h.server.allow(self.db_name)
+                    self.server.allow(self.db_name)
                 except Exception:  # noqa: BLE001
                     pass
             return
         if self.db_name:
             try:
-                self.h.server.drop(self.db_name)
-                self.h.created.discard(self.db_name)
+                self.server.drop(self.db_name)
+                self.h.created.discard((self.backend, self.db_name))
             except Exception as e:  # noqa: BLE001
                 print(f"  warning: could not drop database {self.db_name}: {e}", file=sys.stderr)
         if self.dir:
@@ -931,6 +1000,7 @@ class Harness:
     def __init__(self, args):
         self.args = args
         self.server = Server(args.postgres) if "postgres" in args.databases else None
+        self.mysql = MysqlServer(args.mysql) if "mysql" in args.databases else None
         self.live = set()
         self.created = set()
         # The binary is copied, so that a rebuild during a long run does not pull it from under the workers.
@@ -959,6 +1029,8 @@ class Harness:
         ]  # fmt: skip
         if self.server:
             parts += ["--postgres", a.postgres]
+        if self.mysql:
+            parts += ["--mysql", a.mysql]
         if (a.chaos_min, a.chaos_max) != (1.5, 5.0):
             parts += ["--chaos-seconds", f"{a.chaos_min:g},{a.chaos_max:g}"]
         if a.trial_timeout != 120:
@@ -1088,10 +1160,11 @@ class Harness:
             self.broker.close()
             self.broker = None
         shutil.rmtree(self.work_dir, ignore_errors=True)
-        if self.server:
-            for name in list(self.created):
+        servers = {"postgres": self.server, "mysql": self.mysql}
+        for backend, name in list(self.created):
+            if servers.get(backend):
                 try:
-                    self.server.allow(name)
+                    servers[backend].allow(name)
                 except Exception:  # noqa: BLE001
                     pass
 
@@ -1137,6 +1210,7 @@ def parse_args(argv):
     p.add_argument("--only-trial", type=int, default=None, metavar="K", help="run only trial K of --seed")
     p.add_argument("--databases", default="postgres,sqlite", help="backends to draw from (default postgres,sqlite)")
     p.add_argument("--postgres", default="postgres://postgres@127.0.0.1:5432", help="PostgreSQL server URL")
+    p.add_argument("--mysql", default="mysql://root@127.0.0.1:3306", help="MySQL or MariaDB server URL")
     p.add_argument("--max-events", type=int, default=2000, help="events per trial: 100 to this (default 2000)")
     p.add_argument(
         "--chaos-seconds",
@@ -1178,8 +1252,8 @@ def parse_args(argv):
         if not os.access(a.kafka_bin, os.X_OK):
             p.error(f"--kafka-bin {a.kafka_bin} is not an executable")
     for d in a.databases:
-        if d not in ("postgres", "sqlite"):
-            p.error(f"--databases: unknown backend {d!r}; use postgres and/or sqlite")
+        if d not in ("postgres", "sqlite", "mysql"):
+            p.error(f"--databases: unknown backend {d!r}; use postgres, sqlite and/or mysql")
     if not a.databases:
         p.error("--databases: give at least one backend")
     if a.max_events < 1:
@@ -1201,6 +1275,8 @@ def parse_args(argv):
         p.error(f"--idem {a.idem} is not an executable")
     if "postgres" in a.databases and not shutil.which("psql"):
         p.error("the postgres backend needs `psql` on PATH")
+    if "mysql" in a.databases and not (shutil.which("mariadb") or shutil.which("mysql")):
+        p.error("the mysql backend needs the `mariadb` (or `mysql`) client on PATH")
     return a
 
 

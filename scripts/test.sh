@@ -6,6 +6,8 @@
 # NATS JetStream: the server at $IDEM_NATS_URL, or 127.0.0.1:4222 (started if it is stopped); RabbitMQ: the server
 # at $IDEM_RABBITMQ_URL, or 127.0.0.1:5672 (started if it is stopped).
 # PostgreSQL must be installed (127.0.0.1:5432, trust auth for user postgres); it is started if it is stopped.
+# MySQL/MariaDB: the server at $IDEM_TEST_MYSQL, or 127.0.0.1:3306 (user root, no password; started if it is
+# installed and stopped): the store conformance suite runs on it too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -65,7 +67,25 @@ ensure_rabbitmq() {
   exit 1
 }
 
+# MySQL or MariaDB: the server at $IDEM_TEST_MYSQL, or the machine's on 127.0.0.1:3306, started if it is stopped.
+ensure_mysql() {
+  if [ -n "${IDEM_TEST_MYSQL:-}" ] || (exec 3<>/dev/tcp/127.0.0.1/3306) 2>/dev/null; then return 0; fi
+  if [ ! -x /etc/init.d/mariadb ] && [ ! -x /etc/init.d/mysql ]; then
+    echo "MySQL/MariaDB is not running on 127.0.0.1:3306 and is not installed; the MySQL store tests need it" >&2
+    exit 1
+  fi
+  echo "starting MariaDB…"
+  if [ -x /etc/init.d/mariadb ]; then /etc/init.d/mariadb start; else /etc/init.d/mysql start; fi
+  for _ in $(seq 1 30); do
+    (exec 3<>/dev/tcp/127.0.0.1/3306) 2>/dev/null && return 0
+    sleep 1
+  done
+  echo "MySQL/MariaDB did not come up on 127.0.0.1:3306" >&2
+  exit 1
+}
+
 ensure_postgres
+ensure_mysql
 ensure_nats
 ensure_rabbitmq
 # Kafka: a cluster named by IDEM_KAFKA_BROKERS, or the project's broker on 127.0.0.1:9092 (scripts/kafka.sh).
@@ -108,9 +128,11 @@ cargo run --quiet -p idem-bench -- --quick "${python_arg[@]}" \
   --nats "${IDEM_NATS_URL:-nats://127.0.0.1:4222}" --rabbitmq "${IDEM_RABBITMQ_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}" \
   --database-url "${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
 # The chaos harness at a small size: consumer processes killed at random times, backends terminated, the database
-# refusing connections, the network to it cut; after each trial an independent SQL check of the ledger.
-python3 scripts/chaos.py --idem target/debug/idem --trials "${IDEM_CHAOS_TRIALS:-6}" --seed "${IDEM_CHAOS_SEED:-1}" \
-  --postgres "${IDEM_TEST_POSTGRES:-postgres://postgres@127.0.0.1:5432}"
+# refusing connections, the network to it cut; after each trial an independent SQL check of the ledger. On
+# PostgreSQL, SQLite and MySQL/MariaDB (whose sessions it kills with KILL CONNECTION).
+python3 scripts/chaos.py --idem target/debug/idem --trials "${IDEM_CHAOS_TRIALS:-8}" --seed "${IDEM_CHAOS_SEED:-1}" \
+  --databases postgres,sqlite,mysql --postgres "${IDEM_TEST_POSTGRES:-postgres://postgres@127.0.0.1:5432}" \
+  --mysql "${IDEM_TEST_MYSQL:-mysql://root@127.0.0.1:3306}"
 # And over Kafka, on a broker of its own that it restarts as one more fault (the project's broker binary).
 kafka_bin="${NISSHI_BIN:-${IDEM_TOOLS_DIR:-$HOME/.cache/idem-tools}/nisshi-0.7.0-pre.2/bin/nisshi}"
 if [ -x "$kafka_bin" ]; then

@@ -387,7 +387,7 @@ pub async fn markers_layout(args: &DbArgs, json: bool) -> anyhow::Result<ExitCod
     let db = Db::open(&args.database_url, 1).await?;
     let table = tables.table("processed_events");
     let (period, partitions) = match &db {
-        Db::Sqlite(_) => (None, Vec::new()),
+        Db::Sqlite(_) | Db::Mysql(_) => (None, Vec::new()),
         Db::Postgres(pool) => match idem::store::partitions::stored_period(pool, &tables).await? {
             None => (None, Vec::new()),
             Some(period) => (Some(period), idem::store::partitions::list(pool, &tables).await?),
@@ -408,6 +408,7 @@ pub async fn markers_layout(args: &DbArgs, json: bool) -> anyhow::Result<ExitCod
     }
     match period {
         None if matches!(db, Db::Sqlite(_)) => println!("plain (SQLite has only the plain layout): {table}"),
+        None if matches!(db, Db::Mysql(_)) => println!("plain (MySQL has only the plain layout): {table}"),
         None => println!("plain: {table}"),
         Some(period) => {
             println!("partitioned by {}: {table}", period.as_str());
@@ -424,7 +425,7 @@ pub async fn markers_convert(args: &DbArgs, period: Option<&str>, create_ahead: 
     let tables = db::tables(args)?;
     let db = Db::open(&args.database_url, 1).await?;
     let Db::Postgres(pool) = &db else {
-        bail!("--database-url: partitioned markers need PostgreSQL; SQLite keeps the plain layout");
+        bail!("--database-url: partitioned markers need PostgreSQL; {} keeps the plain layout", db.name());
     };
     let target = period.map(idem::PartitionPeriod::parse).transpose()?;
     let copied = idem::store::partitions::convert(pool, &tables, target, create_ahead.max(1)).await?;

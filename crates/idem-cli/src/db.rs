@@ -1,4 +1,4 @@
-//! Opening the database named by a URL: PostgreSQL or SQLite, chosen by its scheme.
+//! Opening the database named by a URL: PostgreSQL, MySQL/MariaDB or SQLite, chosen by its scheme.
 
 use anyhow::{Context, bail};
 use idem::Tables;
@@ -11,6 +11,8 @@ pub enum Db {
     Postgres(sqlx::PgPool),
     /// SQLite.
     Sqlite(sqlx::SqlitePool),
+    /// MySQL or MariaDB.
+    Mysql(sqlx::MySqlPool),
 }
 
 impl Db {
@@ -35,17 +37,49 @@ impl Db {
             let pool =
                 idem::postgres::connect(url, connections).await.with_context(|| format!("{what} {}", redact(url)))?;
             Ok(Db::Postgres(pool))
+        } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+            let url = url.replacen("mariadb://", "mysql://", 1);
+            let pool =
+                idem::mysql::connect(&url, connections).await.with_context(|| format!("{what} {}", redact(&url)))?;
+            Ok(Db::Mysql(pool))
         } else if url.starts_with("sqlite:") {
             let pool =
                 if create { idem::sqlite::connect(url).await } else { idem::sqlite::connect_existing(url).await };
             Ok(Db::Sqlite(pool.with_context(|| format!("{what} {url}"))?))
         } else {
-            bail!("{what} `{}` is neither postgres://… nor sqlite://…", redact(url))
+            bail!("{what} `{}` is neither postgres://…, mysql://… nor sqlite://…", redact(url))
         }
     }
 }
 
 impl Db {
+    /// The store's name: `postgres`, `mysql` or `sqlite`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Db::Postgres(_) => "postgres",
+            Db::Sqlite(_) => "sqlite",
+            Db::Mysql(_) => "mysql",
+        }
+    }
+
+    /// Refuses a capability this store does not have, naming it, the stores that have it, and the fix.
+    pub fn lacks(&self, capability: &str, stores: &str) -> anyhow::Error {
+        anyhow::anyhow!(
+            "--database-url: {capability} needs {stores}; {} does not have it in this version of idem: point \
+             --database-url at {stores}",
+            self.name()
+        )
+    }
+
+    /// `SUM(expr)` (0 over no rows) as a 64-bit integer in this store's SQL: PostgreSQL and MySQL sum integers as
+    /// decimals, and spell the cast differently.
+    pub fn integer_sum(&self, expr: &str) -> String {
+        match self {
+            Db::Mysql(_) => format!("CAST(COALESCE(SUM({expr}), 0) AS SIGNED)"),
+            Db::Postgres(_) | Db::Sqlite(_) => format!("CAST(COALESCE(SUM({expr}), 0) AS BIGINT)"),
+        }
+    }
+
     /// Runs SQL statements (no results).
     pub async fn execute(&self, sql: &str) -> anyhow::Result<()> {
         crate::with_pool!(self, pool => sqlx::raw_sql(sql).execute(pool).await.map(drop)?);
@@ -68,14 +102,28 @@ pub fn redact(url: &str) -> String {
     idem::error::redact_url(url)
 }
 
-/// Runs `$body` with `$pool` bound to the open pool, whichever backend it is: the body is compiled once per
-/// backend, so it can call generic library functions without naming the backend.
+/// Runs `$body` with `$pool` bound to the open pool, whichever store it is: the body is compiled once per
+/// store, so it can call generic library functions (those of [`idem::Backend`]) without naming the store.
 #[macro_export]
 macro_rules! with_pool {
     ($db:expr, $pool:ident => $body:expr) => {
         match $db {
             $crate::db::Db::Postgres($pool) => $body,
             $crate::db::Db::Sqlite($pool) => $body,
+            $crate::db::Db::Mysql($pool) => $body,
+        }
+    };
+}
+
+/// [`with_pool!`] for what needs the outbox and the guards (the outbox relay, the service mode): PostgreSQL and
+/// SQLite; on another store, `$lacks` (a capability's name) is refused with the reason.
+#[macro_export]
+macro_rules! with_outbox_pool {
+    ($db:expr, $lacks:expr, $pool:ident => $body:expr) => {
+        match $db {
+            $crate::db::Db::Postgres($pool) => $body,
+            $crate::db::Db::Sqlite($pool) => $body,
+            db @ $crate::db::Db::Mysql(_) => return Err(db.lacks($lacks, "PostgreSQL or SQLite").into()),
         }
     };
 }

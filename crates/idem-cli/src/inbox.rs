@@ -167,7 +167,7 @@ async fn open(args: &DbArgs) -> anyhow::Result<(sqlx::PgPool, idem::Tables)> {
     let tables = db::tables(args)?;
     match Db::open(&args.database_url, 1).await? {
         Db::Postgres(pool) => Ok((pool, tables)),
-        Db::Sqlite(_) => bail!("--database-url: the Sequential Inbox needs PostgreSQL"),
+        db @ (Db::Sqlite(_) | Db::Mysql(_)) => Err(db.lacks("the Sequential Inbox", "PostgreSQL")),
     }
 }
 

@@ -31,8 +31,13 @@ pub async fn migrate(
             idem::store::migration_script::<sqlx::Postgres>(&tables, after)?
         } else if url.starts_with("sqlite:") {
             idem::store::migration_script::<sqlx::Sqlite>(&tables, after)?
+        } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+            idem::store::migration_script::<sqlx::MySql>(&tables, after)?
         } else {
-            bail!("--database-url `{url}` is neither postgres://… nor sqlite://…: it names the SQL dialect to print")
+            bail!(
+                "--database-url `{url}` is neither postgres://…, mysql://… nor sqlite://…: it names the SQL dialect to \
+                 print"
+            )
         };
         print!("{script}");
         return Ok(ExitCode::SUCCESS);

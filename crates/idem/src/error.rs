@@ -13,7 +13,8 @@ use std::fmt;
 /// Whether retrying the same work can succeed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Retry {
-    /// The failure is transient (serialization failure 40001, deadlock 40P01, lost connection, SQLite busy).
+    /// The failure is transient (serialization failure 40001, deadlock 40P01 or MySQL's 1213, a lock wait timeout,
+    /// a lost connection, SQLite busy).
     Helps,
     /// The same input will fail the same way; retrying only delays the partition.
     Useless,
@@ -35,6 +36,9 @@ pub fn classify(error: &sqlx::Error) -> Retry {
         }
         sqlx::Error::Database(db) if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() => {
             <sqlx::Sqlite as Store>::transient(db.as_ref())
+        }
+        sqlx::Error::Database(db) if db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some() => {
+            <sqlx::MySql as Store>::transient(db.as_ref())
         }
         _ => false,
     };

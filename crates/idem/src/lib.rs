@@ -118,10 +118,10 @@ pub use key::{KeyExtractor, MissingKey};
 pub use kill_switch::KillSwitch;
 pub use message::{AckHandle, Event, Handled, Message};
 pub use source::{Acknowledgement, PausePartitions, Publisher, Received, Source, SourceError};
-/// The sqlx version idem is built with; handlers use its `PgConnection` and `SqliteConnection`.
+/// The sqlx version idem is built with; handlers use its `PgConnection`, `MySqlConnection` and `SqliteConnection`.
 pub use sqlx;
-pub use sqlx::{Postgres, Sqlite};
-pub use store::{Backend, IntactCommit, Operations, Store, Tables, postgres, sqlite};
+pub use sqlx::{MySql, Postgres, Sqlite};
+pub use store::{Backend, IntactCommit, Operations, Store, Tables, mysql, postgres, sqlite};
 
 /// Applies the missing migrations of `pool`'s database for `tables`; safe to run twice and from two processes.
 pub async fn migrate<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables) -> Result<store::MigrationReport, Error> {

@@ -63,7 +63,7 @@ where
     assert_eq!(ledger_total(&pool).await, first_total + second_total);
     assert_eq!(pool.scalar("SELECT COUNT(*) FROM ledger").await, 800);
 }
-on_both!(consume_resume_and_replay_whole_log);
+on_every_store!(consume_resume_and_replay_whole_log);
 
 /// The batch handler sees only the new events of a batch, in offset order per partition.
 struct BulkCredit {
@@ -72,7 +72,7 @@ struct BulkCredit {
 }
 
 macro_rules! bulk_credit {
-    ($db:ty, $conn:ty) => {
+    ($db:ty, $conn:ty, $insert:literal) => {
         impl BatchHandler<$db> for BulkCredit {
             async fn handle_batch(&self, events: &[&Event], tx: &mut $conn) -> Result<(), HandlerError> {
                 self.calls.fetch_add(1, Ordering::SeqCst);
@@ -85,18 +85,15 @@ macro_rules! bulk_credit {
                     .iter()
                     .map(|e| e.json::<serde_json::Value>().map(|v| v["amount"].as_i64().unwrap_or(0)))
                     .sum::<Result<i64, _>>()?;
-                sqlx::query("INSERT INTO ledger (event_id, amount) VALUES ($1, $2)")
-                    .bind(format!("bulk-{}", events[0].id))
-                    .bind(total)
-                    .execute(&mut *tx)
-                    .await?;
+                sqlx::query($insert).bind(format!("bulk-{}", events[0].id)).bind(total).execute(&mut *tx).await?;
                 Ok(())
             }
         }
     };
 }
-bulk_credit!(sqlx::Postgres, sqlx::PgConnection);
-bulk_credit!(sqlx::Sqlite, sqlx::SqliteConnection);
+bulk_credit!(sqlx::Postgres, sqlx::PgConnection, "INSERT INTO ledger (event_id, amount) VALUES ($1, $2)");
+bulk_credit!(sqlx::Sqlite, sqlx::SqliteConnection, "INSERT INTO ledger (event_id, amount) VALUES ($1, $2)");
+bulk_credit!(sqlx::MySql, sqlx::MySqlConnection, "INSERT INTO ledger (event_id, amount) VALUES (?, ?)");
 
 async fn batch_handler_applies_in_bulk<DB: Backend>(pool: Pool<DB>)
 where
@@ -117,7 +114,7 @@ where
     assert_eq!(ledger_total(&pool).await, total);
     assert!(pool.scalar("SELECT COUNT(*) FROM ledger").await < 100, "effects are applied in bulk");
 }
-on_both!(batch_handler_applies_in_bulk);
+on_every_store!(batch_handler_applies_in_bulk);
 
 /// A poison message is dead-lettered; after the cause is fixed, `replay` re-delivers the stored message and
 /// it is applied once; a replay that fails again keeps its row.
@@ -165,7 +162,7 @@ where
     // Replaying a row that is gone is refused rather than publishing twice.
     assert!(!idem::dead_letter::replay(&pool, &tables, &producer, &letters[0]).await.unwrap());
 }
-on_both!(dead_letter_replay);
+on_every_store!(dead_letter_replay);
 
 /// Serialization failures (40001), deadlocks (40P01) and a lost connection are retried, and the event is
 /// applied once.

@@ -1,5 +1,6 @@
-//! The guarantee itself, on PostgreSQL and SQLite: duplicates, rollbacks, poison messages, missing keys,
-//! concurrent deliveries, batches.
+//! The guarantee itself, on every store (PostgreSQL, SQLite, MySQL/MariaDB): duplicates, rollbacks, poison messages,
+//! missing keys, concurrent deliveries, batches. With consume.rs, kill_switch.rs and operations.rs: the store
+//! conformance suite (`on_every_store!`).
 
 mod common;
 
@@ -35,7 +36,7 @@ where
     let stats = engine.stats();
     assert_eq!((stats.processed, stats.duplicate), (2, 3));
 }
-on_both!(duplicate_does_not_double_apply);
+on_every_store!(duplicate_does_not_double_apply);
 
 /// A retryable failure rolls the marker back with the effect: the retry applies the event exactly once.
 /// If the marker were committed apart from the effect, the retry would see a duplicate and the credit would
@@ -58,7 +59,7 @@ where
     }
     assert_eq!(engine.stats().retried, 2);
 }
-on_both!(failed_attempt_rolls_back_marker_and_effect_together);
+on_every_store!(failed_attempt_rolls_back_marker_and_effect_together);
 
 /// A retryable failure that never passes is dead-lettered after max_attempts, with the attempts recorded.
 async fn retries_are_bounded<DB: Backend>(pool: Pool<DB>)
@@ -79,7 +80,7 @@ where
     assert_eq!(letters[0].attempts, 3);
     assert!(letters[0].error.contains("gave up after 3 attempts"), "{}", letters[0].error);
 }
-on_both!(retries_are_bounded);
+on_every_store!(retries_are_bounded);
 
 /// One poisoned message in a batch: the others commit, the poison is dead-lettered with its reason, its
 /// marker written with its dead letter, and its own effect rolled back.
@@ -114,7 +115,7 @@ where
     assert_eq!(outcomes, [Outcome::Duplicate; 10]);
     assert_eq!(idem::dead_letter::list(&pool, &idem::Tables::default(), None, 10).await.unwrap().len(), 2);
 }
-on_both!(poison_in_a_batch_is_isolated);
+on_every_store!(poison_in_a_batch_is_isolated);
 
 /// A batch handler's failure cannot name the message at fault: the batch is re-run one message at a time.
 async fn batch_handler_failure_isolates_the_message<DB: Backend>(pool: Pool<DB>)
@@ -132,7 +133,7 @@ where
     assert_eq!(outcomes[2], Outcome::DeadLettered);
     assert_eq!(ledger_total(&pool).await, 50);
 }
-on_both!(batch_handler_failure_isolates_the_message);
+on_every_store!(batch_handler_failure_isolates_the_message);
 
 /// A batch handler that applies each event through the per-event ledger handler.
 struct EachAsBatch(Ledger);
@@ -175,7 +176,7 @@ where
     assert_eq!(idem::dead_letter::list(&pool, &idem::Tables::default(), None, 10).await.unwrap().len(), 2);
     assert_eq!(ledger_total(&pool).await, 5);
 }
-on_both!(missing_key_is_dead_lettered_and_does_not_block);
+on_every_store!(missing_key_is_dead_lettered_and_does_not_block);
 
 /// Two connections deliver the same message at once: exactly one effect; the loser waits for the winner's
 /// commit and then sees a duplicate.
@@ -205,7 +206,7 @@ where
     assert_eq!(ledger_rows(&pool, "same").await, 1);
     assert_eq!(ledger.calls.load(std::sync::atomic::Ordering::SeqCst), 1, "the loser must not run the handler");
 }
-on_both!(concurrent_duplicates_apply_once);
+on_every_store!(concurrent_duplicates_apply_once);
 
 /// The winner rolls back: the waiting loser takes over and the effect is applied once, by the loser.
 /// PostgreSQL wakes the waiting insert as soon as the winner rolls back. SQLite has no queue for its write lock:
@@ -247,7 +248,7 @@ where
         );
     }
 }
-on_both!(winner_rollback_lets_the_loser_take_over);
+on_every_store!(winner_rollback_lets_the_loser_take_over);
 
 /// Many concurrent deliveries of the same ids from separate connections: each applied once.
 async fn many_concurrent_deliveries<DB: Backend>(pool: Pool<DB>)
@@ -277,7 +278,7 @@ where
     assert_eq!(ledger_total(&pool).await, 40);
     assert_eq!(pool.scalar("SELECT COUNT(DISTINCT event_id) FROM ledger").await, 40);
 }
-on_both!(many_concurrent_deliveries);
+on_every_store!(many_concurrent_deliveries);
 
 /// A producer that reuses an event id for a different payload: the marker's digest tells it from a redelivery;
 /// it is not applied, counted as `id_reused`, and dead-lettered under that policy.
@@ -307,7 +308,7 @@ where
     assert_eq!(letters[0].offset, 9);
     assert_eq!(ledger_total(&pool).await, 11);
 }
-on_both!(reused_ids_are_detected);
+on_every_store!(reused_ids_are_detected);
 
 /// A handler that swallows a database error leaves a PostgreSQL transaction aborted, where COMMIT silently
 /// rolls back: the engine must notice, never report that batch as committed, and isolate the message.
@@ -465,4 +466,4 @@ where
     assert_eq!(outcomes, [Outcome::Duplicate, Outcome::Processed]);
     assert_eq!(ledger_total(&pool).await, 7);
 }
-on_both!(replays_for_another_group_are_skipped);
+on_every_store!(replays_for_another_group_are_skipped);

@@ -78,4 +78,4 @@ where
     assert_eq!(pool.scalar("SELECT COUNT(*) FROM processed_events").await, EVENTS);
 }
 
-on_both!(kill_switch_holds_a_storm);
+on_every_store!(kill_switch_holds_a_storm);

@@ -154,12 +154,10 @@ pub(super) async fn verify(db: &Db, plan: &Plan, summary: &mut Summary) -> anyho
     let tables = Tables::new(None, PREFIX)?;
     let (accounts2, ledger2) = (tables.table("accounts2"), tables.table("ledger2"));
     let Some(chain) = summary.chain.as_mut() else { bail!("the chain did not run") };
-    chain.second_total_cents =
-        db.scalar(&format!("SELECT CAST(COALESCE(SUM(balance), 0) AS BIGINT) FROM {accounts2}")).await?;
+    chain.second_total_cents = db.scalar(&format!("SELECT {} FROM {accounts2}", db.integer_sum("balance"))).await?;
     chain.second_ledger_entries = db.scalar(&format!("SELECT COUNT(*) FROM {ledger2}")).await?;
     chain.second_distinct_events = db.scalar(&format!("SELECT COUNT(DISTINCT event_id) FROM {ledger2}")).await?;
-    chain.out_of_order =
-        db.scalar(&format!("SELECT CAST(COALESCE(SUM(out_of_order), 0) AS BIGINT) FROM {accounts2}")).await?;
+    chain.out_of_order = db.scalar(&format!("SELECT {} FROM {accounts2}", db.integer_sum("out_of_order"))).await?;
     chain.outbox_left = db.scalar(&format!("SELECT COUNT(*) FROM {}", tables.table("outbox"))).await?;
     let mut mismatches = Vec::new();
     if chain.second_total_cents != plan.expected_total {

@@ -122,6 +122,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         None => format!("sqlite://{}", dir.join("ledger.db").display()),
     };
     let db = Db::create(&url, 2).await?;
+    if matches!(db, Db::Mysql(_)) && (args.chain || args.service) {
+        let what = if args.chain { "--chain (the outbox and its relay)" } else { "--service (the service mode)" };
+        return Err(db.lacks(what, "PostgreSQL or SQLite"));
+    }
     let tables = Tables::new(None, PREFIX)?;
     prepare(&db, &tables).await?;
 
@@ -142,7 +146,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     }
 
     let mut summary = Summary {
-        database: if matches!(db, Db::Postgres(_)) { "postgres" } else { "sqlite" },
+        database: db.name(),
         events_produced: plan.events,
         producer_duplicates: plan.producer_duplicates,
         log_records: plan.records,
@@ -219,11 +223,12 @@ async fn prepare(db: &Db, tables: &Tables) -> anyhow::Result<()> {
         db.execute(&format!("DROP TABLE IF EXISTS {}", tables.table(table))).await?;
     }
     with_pool!(db, pool => idem::migrate(pool, tables).await?);
+    // The accounts as one VALUES list: the same SQL on every store.
+    let ids: Vec<String> = (1..=ACCOUNTS).map(|id| format!("({id}, 0)")).collect();
     let create = format!(
         "CREATE TABLE {accounts} (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL, credits BIGINT NOT NULL DEFAULT 0);
          CREATE TABLE {ledger} (event_id TEXT NOT NULL, account BIGINT NOT NULL, amount BIGINT NOT NULL);
-         WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n WHERE x < {ACCOUNTS})
-         INSERT INTO {accounts} (id, balance) SELECT x, 0 FROM n;
+         INSERT INTO {accounts} (id, balance) VALUES {values};
          CREATE TABLE {accounts2} (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL, last_seq BIGINT NOT NULL DEFAULT 0,
                                    out_of_order BIGINT NOT NULL DEFAULT 0);
          CREATE TABLE {ledger2} (event_id TEXT NOT NULL, account BIGINT NOT NULL, amount BIGINT NOT NULL);
@@ -232,6 +237,7 @@ async fn prepare(db: &Db, tables: &Tables) -> anyhow::Result<()> {
         ledger = tables.table("ledger"),
         accounts2 = tables.table("accounts2"),
         ledger2 = tables.table("ledger2"),
+        values = ids.join(", "),
     );
     db.execute(&create).await
 }
@@ -354,7 +360,7 @@ async fn consume(
 async fn verify(db: &Db, plan: &Plan, summary: &mut Summary) -> anyhow::Result<()> {
     let tables = Tables::new(None, PREFIX)?;
     let (accounts, ledger) = (tables.table("accounts"), tables.table("ledger"));
-    let actual_total = db.scalar(&format!("SELECT CAST(COALESCE(SUM(balance), 0) AS BIGINT) FROM {accounts}")).await?;
+    let actual_total = db.scalar(&format!("SELECT {} FROM {accounts}", db.integer_sum("balance"))).await?;
     let entries = db.scalar(&format!("SELECT COUNT(*) FROM {ledger}")).await?;
     let distinct = db.scalar(&format!("SELECT COUNT(DISTINCT event_id) FROM {ledger}")).await?;
     // The first consumer group's markers (the chain's second group is `…-second`).

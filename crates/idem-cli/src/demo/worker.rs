@@ -397,8 +397,37 @@ macro_rules! credit_handler {
 credit_handler!(sqlx::Postgres, PgConnection);
 credit_handler!(sqlx::Sqlite, SqliteConnection);
 
+/// The plain demo's handler on MySQL: its placeholders are `?`, and its `UPDATE` returns nothing, so the credit
+/// count is read back (under the row lock the update took). The chain's stages need the outbox, which the demo
+/// refuses on MySQL before anything is produced.
+impl Handler<sqlx::MySql> for Credit {
+    async fn handle(&self, event: &Event, tx: &mut sqlx::MySqlConnection) -> Result<(), HandlerError> {
+        self.pause().await;
+        if !matches!(self.stage, Stage::Credit) {
+            return Err(HandlerError::permanent("the chained demo needs the outbox, which MySQL does not have yet"));
+        }
+        let p: Payment = event.json()?;
+        sqlx::query("INSERT INTO idem_demo_ledger (event_id, account, amount) VALUES (?, ?, ?)")
+            .bind(&event.id)
+            .bind(p.account)
+            .bind(p.amount)
+            .execute(&mut *tx)
+            .await?;
+        let updated =
+            sqlx::query("UPDATE idem_demo_accounts SET balance = balance + ?, credits = credits + 1 WHERE id = ?")
+                .bind(p.amount)
+                .bind(p.account)
+                .execute(&mut *tx)
+                .await?;
+        if updated.rows_affected() != 1 {
+            return Err(unknown_account(p.account));
+        }
+        Ok(())
+    }
+}
+
 /// The demo's handler under the duplicate test kit: every scenario leaves the ledger and the balances as one clean
-/// delivery does, on SQLite and on PostgreSQL.
+/// delivery does, on SQLite, PostgreSQL and MySQL.
 #[cfg(test)]
 mod kit {
     use idem::testing::DuplicateKit;
@@ -454,6 +483,11 @@ mod kit {
                     let _ = admin.execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await;
                 }
             }
+            Some((server, name)) if url.starts_with("mysql") => {
+                if let Ok(admin) = Db::open(&format!("{server}/mysql"), 1).await {
+                    let _ = admin.execute(&format!("DROP DATABASE IF EXISTS {name}")).await;
+                }
+            }
             _ => {
                 let _ = std::fs::remove_file(url.trim_start_matches("sqlite://"));
             }
@@ -473,6 +507,14 @@ mod kit {
         let name = format!("idem_demo_kit_{}", std::process::id());
         let admin = Db::open(&format!("{server}/postgres"), 1).await.expect("PostgreSQL");
         admin.execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await.expect("drop");
+        admin.execute(&format!("CREATE DATABASE {name}")).await.expect("create");
+        format!("{server}/{name}")
+    });
+    kit_test!(the_demo_handler_is_exactly_once_on_mysql, Mysql, {
+        let server = std::env::var("IDEM_TEST_MYSQL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306".into());
+        let name = format!("idem_demo_kit_{}", std::process::id());
+        let admin = Db::open(&format!("{server}/mysql"), 1).await.expect("MySQL or MariaDB");
+        admin.execute(&format!("DROP DATABASE IF EXISTS {name}")).await.expect("drop");
         admin.execute(&format!("CREATE DATABASE {name}")).await.expect("create");
         format!("{server}/{name}")
     });

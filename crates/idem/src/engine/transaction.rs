@@ -8,7 +8,6 @@
 
 use std::collections::HashMap;
 
-use sqlx::Connection;
 use sqlx::pool::PoolConnection;
 
 use super::Engine;
@@ -123,7 +122,7 @@ impl<DB: Backend> Engine<DB> {
         body: impl AsyncFnOnce(&mut DB::Connection) -> Result<End<T>, Failure>,
         report: impl FnOnce(&T),
     ) -> Result<T, Failure> {
-        let tx = conn.begin().await?;
+        let tx = sqlx::Transaction::begin(&mut **conn, DB::begin_statement().map(Into::into)).await?;
         // The next transaction the store may have opened is not wanted here: dropping it rolls it back.
         self.in_open_transaction(tx, body, report).await.map(|(value, _next)| value)
     }
@@ -186,7 +185,7 @@ impl<DB: Backend> Engine<DB> {
             Some(tx) => tx,
             None => {
                 let conn = crate::store::connect::connection(&self.inner.pool).await?;
-                sqlx::Transaction::begin(conn, None).await?
+                sqlx::Transaction::begin(conn, DB::begin_statement().map(Into::into)).await?
             }
         };
         let topic = items.first().map_or("", |i| i.message().topic.as_str());

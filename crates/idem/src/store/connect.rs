@@ -76,6 +76,11 @@ pub(crate) fn explain(error: &sqlx::Error) -> String {
             }
             _ => format!("{io}"),
         },
+        sqlx::Error::Database(db) if db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some() => {
+            let fix = super::mysql::connect_fix(db.as_ref()).unwrap_or("see the server's error log");
+            let number = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().map_or(0, |e| e.number());
+            format!("{} (error {number}): {fix}", db.message())
+        }
         sqlx::Error::Database(db) => {
             let fix = match db.code().as_deref() {
                 Some("28P01" | "28000") => "check the user and password in the URL (or the server's pg_hba.conf)",

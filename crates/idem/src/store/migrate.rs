@@ -84,9 +84,6 @@ where
     DB: sqlx::Database,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
-    i32: sqlx::Type<DB> + for<'q> sqlx::Encode<'q, DB>,
-    i64: sqlx::Type<DB> + for<'q> sqlx::Encode<'q, DB>,
-    for<'a> &'a str: sqlx::Type<DB> + sqlx::Encode<'a, DB>,
     (i32, i64): for<'r> sqlx::FromRow<'r, DB::Row>,
 {
     let ledger = tables.table("idem_migrations");
@@ -99,34 +96,38 @@ where
         for statement in split_statements(&sql) {
             sqlx::query(statement).execute(&mut *tx).await?;
         }
-        sqlx::query(&format!("INSERT INTO {ledger} (version, name, checksum) VALUES ($1, $2, $3)"))
-            .bind(m.version)
-            .bind(m.name)
-            .bind(m.checksum())
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query(&ledger_row(&ledger, m)).execute(&mut *tx).await?;
     }
     Ok(MigrationReport { applied: todo.iter().map(|m| m.version).collect(), version: migrations.len() as i32 })
 }
 
-/// Reads the ledger's `(version, checksum)` rows; none when the ledger does not exist (a database never migrated).
-pub(crate) async fn applied<DB>(pool: &sqlx::Pool<DB>, tables: &Tables) -> Result<Vec<(i32, i64)>, Error>
+/// The ledger's row for `m`, as a statement with its values written out (the same on every store).
+fn ledger_row(ledger: &str, m: &Migration) -> String {
+    format!(
+        "INSERT INTO {ledger} (version, name, checksum) VALUES ({}, '{}', {})",
+        m.version,
+        m.name.replace('\'', "''"),
+        m.checksum()
+    )
+}
+
+/// Reads the ledger's `(version, checksum)` rows; none when the ledger does not exist (a database never migrated),
+/// which `exists`, the store's catalog query for a table (one `$1`/`?` parameter: the ledger's name), tells.
+pub(crate) async fn applied<DB>(pool: &sqlx::Pool<DB>, tables: &Tables, exists: &str) -> Result<Vec<(i32, i64)>, Error>
 where
     DB: sqlx::Database,
     for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
     for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+    for<'q> String: sqlx::Type<DB> + sqlx::Encode<'q, DB>,
     (i32, i64): for<'r> sqlx::FromRow<'r, DB::Row>,
+    (i64,): for<'r> sqlx::FromRow<'r, DB::Row>,
 {
     let ledger = tables.table("idem_migrations");
-    match sqlx::query_as(&format!("SELECT version, checksum FROM {ledger} ORDER BY version")).fetch_all(pool).await {
-        Ok(rows) => Ok(rows),
-        Err(sqlx::Error::Database(db))
-            if db.code().as_deref() == Some("42P01") || db.message().contains("no such table") =>
-        {
-            Ok(Vec::new())
-        }
-        Err(error) => Err(error.into()),
+    let (found,): (i64,) = sqlx::query_as(exists).bind(ledger.clone()).fetch_one(pool).await?;
+    if found == 0 {
+        return Ok(Vec::new());
     }
+    Ok(sqlx::query_as(&format!("SELECT version, checksum FROM {ledger} ORDER BY version")).fetch_all(pool).await?)
 }
 
 /// Where one migration stands in a database.
@@ -226,12 +227,8 @@ pub fn migration_script<DB: crate::store::Store>(tables: &Tables, after: i32) ->
             out.push_str(statement);
             out.push_str(";\n");
         }
-        out.push_str(&format!(
-            "INSERT INTO {ledger} (version, name, checksum) VALUES ({}, '{}', {});\n",
-            m.version,
-            m.name.replace('\'', "''"),
-            m.checksum()
-        ));
+        out.push_str(&ledger_row(&ledger, m));
+        out.push_str(";\n");
     }
     Ok(out)
 }

@@ -9,8 +9,10 @@ pub(crate) mod connect;
 mod dead_letter_row;
 mod headers;
 mod migrate;
-pub mod partitions;
+
+pub mod mysql;
 pub mod postgres;
+pub use postgres::partitions;
 mod replay;
 pub mod sqlite;
 
@@ -71,6 +73,13 @@ pub trait Store: sqlx::Database + Sized {
     /// deadlock, a lock, the server shutting down or refusing connections for a while); [`crate::error::classify`]
     /// asks the store that reported it.
     fn transient(error: &dyn sqlx::error::DatabaseError) -> bool;
+
+    /// The statement that opens idem's transactions; `None` (the default) sends the driver's `BEGIN`. A store
+    /// whose intact check needs a mark in the transaction (MySQL: a savepoint that any end of the transaction
+    /// removes) opens it here.
+    fn begin_statement() -> Option<&'static str> {
+        None
+    }
 
     /// Whether the open transaction can still commit what it holds: `Ok(false)` when the handler ended it
     /// itself, an error when it is aborted (PostgreSQL then turns `COMMIT` into a silent `ROLLBACK`). `idem_wrote`:

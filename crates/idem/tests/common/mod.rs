@@ -82,6 +82,48 @@ impl Drop for TestSqlite {
     }
 }
 
+/// The MySQL or MariaDB server tests run against; each test gets a database of its own on it.
+pub fn mysql_server() -> String {
+    std::env::var("IDEM_TEST_MYSQL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306".to_owned())
+}
+
+/// A fresh MySQL database, dropped when the value is dropped.
+pub struct TestMysql {
+    pub pool: sqlx::MySqlPool,
+    pub url: String,
+    name: String,
+}
+
+pub async fn mysql() -> TestMysql {
+    let server = mysql_server();
+    let name = unique_name("m");
+    let mut admin = sqlx::MySqlConnection::connect(&format!("{server}/mysql"))
+        .await
+        .expect("MySQL or MariaDB must run on 127.0.0.1:3306 (user root, no password), or at IDEM_TEST_MYSQL");
+    sqlx::raw_sql(&format!("CREATE DATABASE {name}")).execute(&mut admin).await.expect("create test database");
+    let url = format!("{server}/{name}");
+    let pool = idem::mysql::connect(&url, 8).await.expect("connect to test database");
+    TestMysql { pool, url, name }
+}
+
+impl Drop for TestMysql {
+    fn drop(&mut self) {
+        let server = mysql_server();
+        let name = self.name.clone();
+        let pool = self.pool.clone();
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            rt.block_on(async move {
+                let _ = tokio::time::timeout(Duration::from_millis(200), pool.close()).await;
+                if let Ok(mut admin) = sqlx::MySqlConnection::connect(&format!("{server}/mysql")).await {
+                    let _ = sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS {name}")).execute(&mut admin).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
 /// A temporary directory for an embedded log.
 pub struct TempDir(pub std::path::PathBuf);
 
@@ -97,8 +139,12 @@ impl Drop for TempDir {
     }
 }
 
-/// Queries that read the same on both backends.
+/// Queries that read the same on every store.
 pub trait TestPool: Send + Sync {
+    /// The column type of a text primary key (MySQL needs a length).
+    const TEXT_KEY: &'static str = "TEXT";
+    /// How this store ages a `processed_at` by ten days, in an `UPDATE … SET processed_at = …`.
+    const TEN_DAYS_EARLIER: &'static str = "processed_at - interval '10 days'";
     fn exec(&self, sql: &str) -> impl Future<Output = ()> + Send;
     fn scalar(&self, sql: &str) -> impl Future<Output = i64> + Send;
     fn scalar_text(&self, sql: &str) -> impl Future<Output = String> + Send;
@@ -117,11 +163,28 @@ impl TestPool for sqlx::PgPool {
 }
 
 impl TestPool for sqlx::SqlitePool {
+    const TEN_DAYS_EARLIER: &'static str = "processed_at - 864000000";
     async fn exec(&self, sql: &str) {
         sqlx::raw_sql(sql).execute(self).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
     }
     async fn scalar(&self, sql: &str) -> i64 {
         sqlx::query_scalar(sql).fetch_one(self).await.unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+    async fn scalar_text(&self, sql: &str) -> String {
+        sqlx::query_scalar(sql).fetch_one(self).await.unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+}
+
+impl TestPool for sqlx::MySqlPool {
+    const TEXT_KEY: &'static str = "VARCHAR(255)";
+    const TEN_DAYS_EARLIER: &'static str = "processed_at - INTERVAL 10 DAY";
+    async fn exec(&self, sql: &str) {
+        sqlx::raw_sql(sql).execute(self).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    async fn scalar(&self, sql: &str) -> i64 {
+        // The shared queries cast to BIGINT, which MySQL spells SIGNED.
+        let sql = sql.replace("AS BIGINT)", "AS SIGNED)");
+        sqlx::query_scalar(&sql).fetch_one(self).await.unwrap_or_else(|e| panic!("{sql}: {e}"))
     }
     async fn scalar_text(&self, sql: &str) -> String {
         sqlx::query_scalar(sql).fetch_one(self).await.unwrap_or_else(|e| panic!("{sql}: {e}"))
@@ -135,8 +198,11 @@ where
     sqlx::Pool<DB>: TestPool,
 {
     idem::migrate(pool, &idem::Tables::default()).await.expect("migrate");
-    pool.exec("CREATE TABLE ledger (event_id TEXT NOT NULL, amount BIGINT NOT NULL); CREATE TABLE blocked (id TEXT PRIMARY KEY);")
-        .await;
+    let key = <sqlx::Pool<DB> as TestPool>::TEXT_KEY;
+    pool.exec(&format!(
+        "CREATE TABLE ledger (event_id TEXT NOT NULL, amount BIGINT NOT NULL); CREATE TABLE blocked (id {key} PRIMARY KEY);"
+    ))
+    .await;
 }
 
 pub fn config(batch_size: usize) -> Config {
@@ -198,16 +264,12 @@ impl Ledger {
 }
 
 macro_rules! ledger_handler {
-    ($db:ty, $conn:ty, $blocked:literal, $retryable:expr) => {
+    ($db:ty, $conn:ty, $insert:literal, $blocked:literal, $retryable:expr) => {
         impl Handler<$db> for Ledger {
             async fn handle(&self, event: &Event, tx: &mut $conn) -> Result<(), HandlerError> {
                 self.calls.fetch_add(1, Ordering::SeqCst);
                 let p: Payment = event.json()?;
-                sqlx::query("INSERT INTO ledger (event_id, amount) VALUES ($1, $2)")
-                    .bind(&event.id)
-                    .bind(p.amount)
-                    .execute(&mut *tx)
-                    .await?;
+                sqlx::query($insert).bind(&event.id).bind(p.amount).execute(&mut *tx).await?;
                 let blocked: i64 = sqlx::query_scalar($blocked).bind(&event.id).fetch_one(&mut *tx).await?;
                 if blocked > 0 {
                     return Err(HandlerError::permanent(format!("event {} is blocked", event.id)));
@@ -231,12 +293,27 @@ macro_rules! ledger_handler {
     };
 }
 
-ledger_handler!(sqlx::Postgres, PgConnection, "SELECT COUNT(*) FROM blocked WHERE id = $1", || Err(
-    HandlerError::retryable("flaky")
-));
-ledger_handler!(sqlx::Sqlite, SqliteConnection, "SELECT COUNT(*) FROM blocked WHERE id = $1", || Err(
-    HandlerError::retryable("flaky")
-));
+ledger_handler!(
+    sqlx::Postgres,
+    PgConnection,
+    "INSERT INTO ledger (event_id, amount) VALUES ($1, $2)",
+    "SELECT COUNT(*) FROM blocked WHERE id = $1",
+    || Err(HandlerError::retryable("flaky"))
+);
+ledger_handler!(
+    sqlx::Sqlite,
+    SqliteConnection,
+    "INSERT INTO ledger (event_id, amount) VALUES ($1, $2)",
+    "SELECT COUNT(*) FROM blocked WHERE id = $1",
+    || Err(HandlerError::retryable("flaky"))
+);
+ledger_handler!(
+    sqlx::MySql,
+    sqlx::MySqlConnection,
+    "INSERT INTO ledger (event_id, amount) VALUES (?, ?)",
+    "SELECT COUNT(*) FROM blocked WHERE id = ?",
+    || Err(HandlerError::retryable("flaky"))
+);
 
 /// Runs `$test::<backend>` once on a fresh PostgreSQL database and once on a fresh SQLite file.
 #[macro_export]
@@ -252,6 +329,33 @@ macro_rules! on_both {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn sqlite() {
                 let db = $crate::common::sqlite().await;
+                super::$name(db.pool.clone()).await;
+            }
+        }
+    };
+}
+
+/// The store conformance suite's runner: `$test::<store>` once on a fresh PostgreSQL database, once on a fresh
+/// SQLite file and once on a fresh MySQL/MariaDB database.
+#[macro_export]
+macro_rules! on_every_store {
+    ($name:ident) => {
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn postgres() {
+                let db = $crate::common::pg().await;
+                super::$name(db.pool.clone()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn sqlite() {
+                let db = $crate::common::sqlite().await;
+                super::$name(db.pool.clone()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn mysql() {
+                let db = $crate::common::mysql().await;
                 super::$name(db.pool.clone()).await;
             }
         }

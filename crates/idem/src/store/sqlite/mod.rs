@@ -3,19 +3,19 @@
 
 use sqlx::{Connection, Sqlite, SqliteConnection};
 
-use super::{
-    Claim, DeadLetter, GroupStats, IntactCommit, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
-    judge_existing, payload_digest,
-};
 use crate::config::MarkerLayout;
 use crate::error::Error;
 use crate::message::Event;
+use crate::store::{
+    Claim, DeadLetter, GroupStats, IntactCommit, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
+    judge_existing, payload_digest,
+};
 
 static MIGRATIONS: [Migration; 4] = [
-    Migration { version: 1, name: "processed_events", sql: include_str!("sql/sqlite/0001_processed_events.sql") },
-    Migration { version: 2, name: "dead_letters", sql: include_str!("sql/sqlite/0002_dead_letters.sql") },
-    Migration { version: 3, name: "payload_digest", sql: include_str!("sql/sqlite/0003_payload_digest.sql") },
-    Migration { version: 4, name: "outbox", sql: include_str!("sql/sqlite/0004_outbox.sql") },
+    Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
+    Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
+    Migration { version: 3, name: "payload_digest", sql: include_str!("sql/0003_payload_digest.sql") },
+    Migration { version: 4, name: "outbox", sql: include_str!("sql/0004_outbox.sql") },
 ];
 
 impl Store for Sqlite {
@@ -39,7 +39,8 @@ impl Store for Sqlite {
         let mut conn = pool.acquire().await?;
         // BEGIN IMMEDIATE takes the write lock up front: a second migrating process waits here.
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-        let report = super::migrate::apply::<Sqlite>(&mut tx, tables, &MIGRATIONS, Self::ledger_columns()).await?;
+        let report =
+            crate::store::migrate::apply::<Sqlite>(&mut tx, tables, &MIGRATIONS, Self::ledger_columns()).await?;
         tx.commit().await?;
         Ok(report)
     }
@@ -112,7 +113,7 @@ impl Store for Sqlite {
         group: &str,
         letter: &NewDeadLetter<'_>,
     ) -> Result<(), sqlx::Error> {
-        super::dead_letter_row::write::<Sqlite>(
+        crate::store::dead_letter_row::write::<Sqlite>(
             conn,
             tables,
             group,
@@ -153,7 +154,7 @@ impl Operations for Sqlite {
     }
 
     async fn begin_replay(pool: &sqlx::SqlitePool, tables: &Tables, id: i64) -> Result<bool, Error> {
-        super::replay::begin(pool, tables, id, "BEGIN IMMEDIATE").await
+        crate::store::replay::begin(pool, tables, id, "BEGIN IMMEDIATE").await
     }
 
     async fn prune_batch(
@@ -190,11 +191,12 @@ impl Operations for Sqlite {
     }
 
     async fn finish_replay(pool: &sqlx::SqlitePool, tables: &Tables, id: i64) -> Result<(), Error> {
-        super::replay::finish(pool, tables, id).await
+        crate::store::replay::finish(pool, tables, id).await
     }
 
     async fn applied_migrations(pool: &sqlx::SqlitePool, tables: &Tables) -> Result<Vec<(i32, i64)>, Error> {
-        super::migrate::applied::<Sqlite>(pool, tables).await
+        let exists = "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = $1";
+        crate::store::migrate::applied::<Sqlite>(pool, tables, exists).await
     }
 }
 

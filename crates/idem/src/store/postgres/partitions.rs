@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use sqlx::{Connection, PgPool};
 
-use super::Tables;
-use super::migrate::lock_key;
 use crate::config::{MarkerLayout, PartitionPeriod};
 use crate::error::Error;
+use crate::store::Tables;
+use crate::store::migrate::lock_key;
 
 /// What a maintenance pass did to the partitions.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
@@ -43,7 +43,7 @@ pub async fn stored_period(pool: &PgPool, tables: &Tables) -> Result<Option<Part
           WHERE c.oid = to_regclass('{t}processed_events')",
     );
     // Through idem's checkout: a database refusing connections is an outage a starting consumer waits out.
-    let mut conn = super::connect::connection(pool).await?;
+    let mut conn = crate::store::connect::connection(pool).await?;
     let row: Option<(String, Option<String>)> = sqlx::query_as(&sql).fetch_optional(&mut *conn).await?;
     let Some((kind, comment)) = row else {
         return Err(Error::Schema(format!(
@@ -98,7 +98,7 @@ pub async fn create_ahead(
     period: PartitionPeriod,
     ahead: u32,
 ) -> Result<Vec<String>, Error> {
-    let mut conn = super::connect::connection(pool).await?;
+    let mut conn = crate::store::connect::connection(pool).await?;
     let mut tx = conn.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(lock_key(tables)).execute(&mut *tx).await?;
     let created = create_ahead_in(&mut tx, tables, period, ahead).await?;
@@ -154,7 +154,7 @@ async fn create_partition(
 
 /// The partitions whose whole range ends at least `retention` ago, with their marker counts (for a dry run).
 pub async fn expired(pool: &PgPool, tables: &Tables, retention: Duration) -> Result<Vec<ExpiredPartition>, Error> {
-    let mut conn = super::connect::connection(pool).await?;
+    let mut conn = crate::store::connect::connection(pool).await?;
     expired_on(&mut conn, tables, retention).await
 }
 
@@ -178,7 +178,7 @@ async fn expired_on(
 pub async fn drop_expired(pool: &PgPool, tables: &Tables, retention: Duration) -> Result<(Vec<String>, u64), Error> {
     // One pruner at a time (several consumers run housekeeping): a session lock on one connection, which the
     // detaches run on too (CONCURRENTLY cannot run in a transaction block).
-    let mut conn = super::connect::connection(pool).await?;
+    let mut conn = crate::store::connect::connection(pool).await?;
     let key = lock_key(tables) ^ PRUNE_LOCK;
     let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)").bind(key).fetch_one(&mut *conn).await?;
     if !locked {
@@ -306,7 +306,7 @@ pub async fn convert(
     let parent = tables.table("processed_events");
     let old = tables.table("processed_events_old");
     let old_bare = format!("{}processed_events_old", tables.prefix());
-    let mut conn = super::connect::connection(pool).await?;
+    let mut conn = crate::store::connect::connection(pool).await?;
     let mut tx = conn.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(lock_key(tables)).execute(&mut *tx).await?;
     let statements = vec![

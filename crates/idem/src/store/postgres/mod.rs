@@ -1,26 +1,27 @@
 //! PostgreSQL: markers claimed for a whole batch with one `INSERT … SELECT FROM UNNEST … ON CONFLICT DO
 //! NOTHING RETURNING`, one prepared statement whatever the batch size.
 
+pub mod partitions;
+
 use std::collections::HashSet;
 
 use sqlx::{Connection, PgConnection, Postgres, Row};
 
-use super::migrate::lock_key;
-use super::partitions;
-use super::{
-    Claim, DeadLetter, GroupStats, IntactCommit, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
-    judge_existing, payload_digest,
-};
 use crate::config::MarkerLayout;
 use crate::error::Error;
 use crate::message::Event;
+use crate::store::migrate::lock_key;
+use crate::store::{
+    Claim, DeadLetter, GroupStats, IntactCommit, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
+    judge_existing, payload_digest,
+};
 
 static MIGRATIONS: [Migration; 5] = [
-    Migration { version: 1, name: "processed_events", sql: include_str!("sql/postgres/0001_processed_events.sql") },
-    Migration { version: 2, name: "dead_letters", sql: include_str!("sql/postgres/0002_dead_letters.sql") },
-    Migration { version: 3, name: "payload_digest", sql: include_str!("sql/postgres/0003_payload_digest.sql") },
-    Migration { version: 4, name: "sequential_inbox", sql: include_str!("sql/postgres/0004_sequential_inbox.sql") },
-    Migration { version: 5, name: "outbox", sql: include_str!("sql/postgres/0005_outbox.sql") },
+    Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
+    Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
+    Migration { version: 3, name: "payload_digest", sql: include_str!("sql/0003_payload_digest.sql") },
+    Migration { version: 4, name: "sequential_inbox", sql: include_str!("sql/0004_sequential_inbox.sql") },
+    Migration { version: 5, name: "outbox", sql: include_str!("sql/0005_outbox.sql") },
 ];
 
 /// A stored marker as the reuse check reads it: event id, payload digest, topic, partition, offset.
@@ -46,7 +47,8 @@ impl Store for Postgres {
             let create = format!("CREATE SCHEMA IF NOT EXISTS {schema}");
             sqlx::query(&create).execute(&mut *tx).await?;
         }
-        let report = super::migrate::apply::<Postgres>(&mut tx, tables, &MIGRATIONS, Self::ledger_columns()).await?;
+        let report =
+            crate::store::migrate::apply::<Postgres>(&mut tx, tables, &MIGRATIONS, Self::ledger_columns()).await?;
         tx.commit().await?;
         Ok(report)
     }
@@ -218,7 +220,7 @@ impl Store for Postgres {
         group: &str,
         letter: &NewDeadLetter<'_>,
     ) -> Result<(), sqlx::Error> {
-        super::dead_letter_row::write::<Postgres>(conn, tables, group, letter, "now()").await
+        crate::store::dead_letter_row::write::<Postgres>(conn, tables, group, letter, "now()").await
     }
 }
 
@@ -268,7 +270,7 @@ impl Operations for Postgres {
     }
 
     async fn begin_replay(pool: &sqlx::PgPool, tables: &Tables, id: i64) -> Result<bool, Error> {
-        super::replay::begin(pool, tables, id, "BEGIN").await
+        crate::store::replay::begin(pool, tables, id, "BEGIN").await
     }
 
     async fn prune_batch(
@@ -304,11 +306,11 @@ impl Operations for Postgres {
     }
 
     async fn finish_replay(pool: &sqlx::PgPool, tables: &Tables, id: i64) -> Result<(), Error> {
-        super::replay::finish(pool, tables, id).await
+        crate::store::replay::finish(pool, tables, id).await
     }
 
     async fn applied_migrations(pool: &sqlx::PgPool, tables: &Tables) -> Result<Vec<(i32, i64)>, Error> {
-        super::migrate::applied::<Postgres>(pool, tables).await
+        crate::store::migrate::applied::<Postgres>(pool, tables, "SELECT (to_regclass($1) IS NOT NULL)::int8").await
     }
 }
 
@@ -354,7 +356,7 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<sqlx::PgPool, Er
         options.get_port(),
         options.get_database().unwrap_or(options.get_username())
     );
-    super::connect::probe(&options, &target).await?;
+    crate::store::connect::probe(&options, &target).await?;
     Ok(sqlx::postgres::PgPoolOptions::new()
         .max_connections(max_connections.max(1))
         .test_before_acquire(false)
