@@ -115,10 +115,10 @@ macro_rules! with_pool {
     };
 }
 
-/// [`with_pool!`] for what needs the outbox and the guards (the outbox relay, the service mode): PostgreSQL and
+/// [`with_pool!`] for the service mode, whose per-event statements and guards are written for PostgreSQL and
 /// SQLite; on another store, `$lacks` (a capability's name) is refused with the reason.
 #[macro_export]
-macro_rules! with_outbox_pool {
+macro_rules! with_service_pool {
     ($db:expr, $lacks:expr, $pool:ident => $body:expr) => {
         match $db {
             $crate::db::Db::Postgres($pool) => $body,

@@ -11,7 +11,7 @@ use idem::outbox::{Delivery, HttpDelivery, HttpOr, OutboxStore, Publish, Relay, 
 
 use crate::commands::BrokerTarget;
 use crate::db::{self, Db};
-use crate::{DbArgs, with_outbox_pool};
+use crate::{DbArgs, with_pool};
 
 /// `idem relay`: where the outbox is, where its messages go, how the relay runs.
 #[derive(Args, Debug)]
@@ -140,7 +140,8 @@ pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
     let db = Db::open(&args.db.database_url, 2).await?;
     if let Some(addr) = args.metrics_addr {
         let recorder = idem::http::install_recorder()?;
-        let bound = with_outbox_pool!(&db, "the outbox relay", pool => idem::http::serve(addr, recorder, idem::http::DatabaseProbe(pool.clone())).await?);
+        let bound =
+            with_pool!(&db, pool => idem::http::serve(addr, recorder, idem::http::DatabaseProbe(pool.clone())).await?);
         tracing::info!(%bound, "outbox relay: serving /metrics");
     }
     let shutdown = signals.received();
@@ -156,27 +157,27 @@ pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
     let stats = match target {
         Some(BrokerTarget::Kafka(brokers)) => {
             let producer = HttpOr(http, kafka_producer(&brokers)?);
-            with_outbox_pool!(&db, "the outbox relay", pool => run(pool, &tables, config, producer, shutdown).await?)
+            with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
         Some(BrokerTarget::Nats(url)) => {
             let producer = HttpOr(http, nats_producer(&url).await?);
-            with_outbox_pool!(&db, "the outbox relay", pool => run(pool, &tables, config, producer, shutdown).await?)
+            with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
         Some(BrokerTarget::Rabbitmq(url)) => {
             let producer = HttpOr(http, rabbitmq_producer(&url).await?);
-            with_outbox_pool!(&db, "the outbox relay", pool => run(pool, &tables, config, producer, shutdown).await?)
+            with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
         Some(BrokerTarget::Sqs(endpoint)) => {
             let producer = HttpOr(http, crate::sqs::producer(&endpoint).await?);
-            with_outbox_pool!(&db, "the outbox relay", pool => run(pool, &tables, config, producer, shutdown).await?)
+            with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
         Some(BrokerTarget::Log(dir)) => {
             let log = EmbeddedLog::open(&dir).with_context(|| format!("--log-dir {}", dir.display()))?;
             let producer = HttpOr(http, AutoTopics { producer: log.producer(), log });
-            with_outbox_pool!(&db, "the outbox relay", pool => run(pool, &tables, config, producer, shutdown).await?)
+            with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
         None => {
-            with_outbox_pool!(&db, "the outbox relay", pool => run(pool, &tables, config, HttpOr(http, NoBroker), shutdown).await?)
+            with_pool!(&db, pool => run(pool, &tables, config, HttpOr(http, NoBroker), shutdown).await?)
         }
     };
     if args.json {
@@ -250,8 +251,7 @@ pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
         OutboxCommand::List { db, limit, json } => {
             let tables = db::tables(&db)?;
             let pool = Db::open(&db.database_url, 1).await?;
-            let messages =
-                with_outbox_pool!(&pool, "the outbox", pool => idem::outbox::list(pool, &tables, limit).await?);
+            let messages = with_pool!(&pool, pool => idem::outbox::list(pool, &tables, limit).await?);
             if json {
                 let rows: Vec<serde_json::Value> = messages
                     .iter()
@@ -286,7 +286,7 @@ pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
         OutboxCommand::Stats { db, json } => {
             let tables = db::tables(&db)?;
             let pool = Db::open(&db.database_url, 1).await?;
-            let stats = with_outbox_pool!(&pool, "the outbox", pool => idem::outbox::stats(pool, &tables).await?);
+            let stats = with_pool!(&pool, pool => idem::outbox::stats(pool, &tables).await?);
             if json {
                 println!("{}", serde_json::to_string(&stats)?);
             } else {
@@ -303,7 +303,7 @@ pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
             let tables = db::tables(&db)?;
             let pool = Db::open(&db.database_url, 1).await?;
             let group = relay.map(|r| format!("outbox:{r}"));
-            let letters = with_outbox_pool!(&pool, "the outbox", pool => idem::store::Operations::dead_letters(pool, &tables, group.as_deref(), i64::MAX).await?);
+            let letters = with_pool!(&pool, pool => idem::store::Operations::dead_letters(pool, &tables, group.as_deref(), i64::MAX).await?);
             let chosen: Vec<i64> = letters
                 .iter()
                 .filter(|l| l.consumer_group.starts_with("outbox:"))
@@ -317,8 +317,7 @@ pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
             }
             let mut requeued = 0;
             for id in chosen {
-                if with_outbox_pool!(&pool, "the outbox", pool => idem::outbox::requeue_dead_letter(pool, &tables, id).await?)
-                {
+                if with_pool!(&pool, pool => idem::outbox::requeue_dead_letter(pool, &tables, id).await?) {
                     requeued += 1;
                     println!("requeued {id}");
                 }

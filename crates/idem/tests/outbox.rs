@@ -107,7 +107,7 @@ where
     }
     assert_eq!(last.len(), 7);
 }
-on_both!(a_handlers_enqueue_reaches_a_second_consumer_once);
+on_every_store!(a_handlers_enqueue_reaches_a_second_consumer_once);
 
 /// What a test delivery saw: (key, sequence, event id) in the order deliveries succeeded.
 type Seen = Arc<Mutex<Vec<(String, i64, String)>>>;
@@ -215,7 +215,7 @@ where
         assert!(per_relay.len() >= 2, "the slots were shared: {per_relay:?}");
     }
 }
-on_both!(relays_share_the_work_and_keep_each_keys_order);
+on_every_store!(relays_share_the_work_and_keep_each_keys_order);
 
 /// A permanent failure moves the message to the dead letters and its key goes on; a message failing
 /// transiently past `max_attempts` does too; a requeued dead letter is delivered with its event id.
@@ -301,7 +301,7 @@ where
     }
     assert_eq!(pool.scalar("SELECT COUNT(*) FROM dead_letters").await, 0);
 }
-on_both!(dead_letters_and_their_requeue);
+on_every_store!(dead_letters_and_their_requeue);
 
 #[tokio::test]
 async fn a_relay_on_a_database_without_the_outbox_says_to_migrate() {

@@ -397,14 +397,35 @@ macro_rules! credit_handler {
 credit_handler!(sqlx::Postgres, PgConnection);
 credit_handler!(sqlx::Sqlite, SqliteConnection);
 
-/// The plain demo's handler on MySQL: its placeholders are `?`, and its `UPDATE` returns nothing, so the credit
-/// count is read back (under the row lock the update took). The chain's stages need the outbox, which the demo
-/// refuses on MySQL before anything is produced.
+/// The demo's handler on MySQL: its placeholders are `?`, its `UPDATE` returns nothing (the credit count is read
+/// back under the row lock the update took), and the second stage counts out-of-order credits before it moves
+/// `last_seq` (MySQL assigns left to right, each assignment seeing the ones before it).
 impl Handler<sqlx::MySql> for Credit {
     async fn handle(&self, event: &Event, tx: &mut sqlx::MySqlConnection) -> Result<(), HandlerError> {
         self.pause().await;
-        if !matches!(self.stage, Stage::Credit) {
-            return Err(HandlerError::permanent("the chained demo needs the outbox, which MySQL does not have yet"));
+        if let Stage::Second = self.stage {
+            let c: PaymentCredited = event.json()?;
+            sqlx::query("INSERT INTO idem_demo_ledger2 (event_id, account, amount) VALUES (?, ?, ?)")
+                .bind(&event.id)
+                .bind(c.account)
+                .bind(c.amount)
+                .execute(&mut *tx)
+                .await?;
+            let applied = sqlx::query(
+                "UPDATE idem_demo_accounts2 SET balance = balance + ?,
+                        out_of_order = out_of_order + CASE WHEN last_seq = ? - 1 THEN 0 ELSE 1 END, last_seq = ?
+                  WHERE id = ?",
+            )
+            .bind(c.amount)
+            .bind(c.seq)
+            .bind(c.seq)
+            .bind(c.account)
+            .execute(&mut *tx)
+            .await?;
+            if applied.rows_affected() != 1 {
+                return Err(unknown_account(c.account));
+            }
+            return Ok(());
         }
         let p: Payment = event.json()?;
         sqlx::query("INSERT INTO idem_demo_ledger (event_id, account, amount) VALUES (?, ?, ?)")
@@ -421,6 +442,18 @@ impl Handler<sqlx::MySql> for Credit {
                 .await?;
         if updated.rows_affected() != 1 {
             return Err(unknown_account(p.account));
+        }
+        if let Stage::Announce(topic) = &self.stage {
+            let seq: i64 = sqlx::query_scalar("SELECT credits FROM idem_demo_accounts WHERE id = ?")
+                .bind(p.account)
+                .fetch_one(&mut *tx)
+                .await?;
+            let credited = PaymentCredited { account: p.account, amount: p.amount, seq, payment: event.id.clone() };
+            let body = serde_json::to_vec(&credited).map_err(|e| HandlerError::permanent(e.to_string()))?;
+            let message = idem::outbox::OutgoingMessage::new(topic.as_str(), body).with_key(p.account.to_string());
+            idem::outbox::Outbox::new(Tables::new(None, PREFIX).map_err(|e| HandlerError::permanent(e.to_string()))?)
+                .enqueue(&mut *tx, message)
+                .await?;
         }
         Ok(())
     }

@@ -31,7 +31,7 @@ mod delivery;
 mod http;
 mod relay;
 mod settlement;
-mod store;
+pub(crate) mod store;
 
 pub use delivery::{Call, Delivered, Delivery, DeliveryError, Publish};
 #[cfg(feature = "http-delivery")]

@@ -181,7 +181,10 @@ impl<DB: OutboxStore, D: Delivery> Relay<DB, D> {
     pub async fn run(&self, shutdown: impl Future + Send) -> Result<RelayStats, Error> {
         crate::telemetry::describe();
         let mut shutdown = std::pin::pin!(shutdown);
-        let mut wakeup = DB::wakeup(&self.pool, &self.tables).await.map_err(|e| self.explain(e))?;
+        let mut wakeup = match DB::wakeup(&self.pool, &self.tables).await {
+            Ok(wakeup) => wakeup,
+            Err(error) => return Err(self.explain(error).await),
+        };
         let mut pipeline = Pipeline::<DB>::default();
         let mut outage: u32 = 0;
         let mut gauges: Option<Instant> = None;
@@ -212,10 +215,12 @@ impl<DB: OutboxStore, D: Delivery> Relay<DB, D> {
                         "outbox relay: database unavailable; its slots go to other relays meanwhile");
                     wait
                 }
-                Err(error) => return Err(self.explain(error.into())),
+                Err(error) => return Err(self.explain(error.into()).await),
             };
             if gauges.is_none_or(|at| at.elapsed() >= GAUGES_EVERY) {
-                self.outbox_empty().await?;
+                if let Err(error) = self.outbox_empty().await {
+                    return Err(self.explain(error).await);
+                }
                 gauges = Some(Instant::now());
             }
             tokio::select! {
@@ -339,11 +344,16 @@ impl<DB: OutboxStore, D: Delivery> Relay<DB, D> {
         Ok(stats.pending == 0)
     }
 
-    /// Names the fix for what a relay cannot get past by itself.
-    fn explain(&self, error: Error) -> Error {
-        match &error {
-            Error::Database(sqlx::Error::Database(db)) if db.message().contains("outbox") => Error::Schema(format!(
-                "{error}: the outbox table is missing. Fix: run idem migrate (or idem::migrate) on this database"
+    /// Names the fix for what a relay cannot get past by itself: a database error where the outbox table is
+    /// missing (asked of the catalog, not read from the error's text) is a schema error.
+    async fn explain(&self, error: Error) -> Error {
+        if !matches!(&error, Error::Database(sqlx::Error::Database(_))) {
+            return error;
+        }
+        match DB::table_exists(&self.pool, &self.tables, "outbox").await {
+            Ok(false) => Error::Schema(format!(
+                "{error}: the outbox table {} is missing. Fix: run idem migrate (or idem::migrate) on this database",
+                self.tables.table("outbox")
             )),
             _ => error,
         }

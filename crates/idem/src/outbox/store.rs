@@ -1,5 +1,6 @@
-//! The outbox's SQL on each store: enqueue, the relay's ownership of slots (PostgreSQL: advisory locks; SQLite:
-//! a lease), reading and settling what a relay delivered, and the operator's figures.
+//! The outbox seam and its SQL on PostgreSQL and SQLite (MySQL's is in its wing, `store::mysql::outbox`):
+//! enqueue, the relay's ownership of slots (PostgreSQL: advisory locks; MySQL: named locks; SQLite: a lease),
+//! reading and settling what a relay delivered, and the operator's figures.
 
 use std::future::Future;
 use std::time::Duration;
@@ -11,14 +12,15 @@ use crate::error::Error;
 use crate::store::{Backend, Tables, decode_headers, encode_headers};
 
 /// A row about to be enqueued: the message with its event id and slot.
-pub(super) struct NewRow<'a> {
-    pub(super) event_id: String,
-    pub(super) slot: i32,
-    pub(super) message: &'a OutgoingMessage,
+pub(crate) struct NewRow<'a> {
+    pub(crate) event_id: String,
+    pub(crate) slot: i32,
+    pub(crate) message: &'a OutgoingMessage,
 }
 
-/// A connection an application enqueues through, inside its open transaction: `PgConnection` or
-/// `SqliteConnection` (what a handler receives, or what a `sqlx::Transaction` dereferences to).
+/// A connection an application enqueues through, inside its open transaction: `PgConnection`,
+/// `MySqlConnection` or `SqliteConnection` (what a handler receives, or what a `sqlx::Transaction` dereferences
+/// to).
 pub trait OutboxConnection: Send {
     /// The store the connection belongs to.
     type Store: OutboxStore<Connection = Self>;
@@ -51,7 +53,7 @@ pub enum Wakeup {
     Poll,
 }
 
-/// The outbox on a store: PostgreSQL and SQLite.
+/// The outbox on a store: PostgreSQL, MySQL/MariaDB and SQLite.
 pub trait OutboxStore: Backend {
     /// Inserts `rows` in order in the open transaction, in as few statements as the store allows.
     #[doc(hidden)]
@@ -139,9 +141,11 @@ pub async fn stats<DB: OutboxStore>(pool: &sqlx::Pool<DB>, tables: &Tables) -> R
     DB::outbox_stats(pool, tables).await
 }
 
+/// The columns every store's outbox reads, in [`row_of`]'s order (MySQL quotes `key` itself).
 const COLUMNS: &str = "id, event_id, destination, key, payload, headers, slot, attempts, last_error";
 
-fn row_of<R: Row>(row: &R, age_seconds: f64) -> Result<OutboxMessage, sqlx::Error>
+/// An outbox row from any store: [`COLUMNS`] in order, the age given apart.
+pub(crate) fn row_of<R: Row>(row: &R, age_seconds: f64) -> Result<OutboxMessage, sqlx::Error>
 where
     for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,

@@ -111,11 +111,10 @@ fn ledger_row(ledger: &str, m: &Migration) -> String {
     )
 }
 
-/// Reads the ledger's `(version, checksum)` rows; none when the ledger does not exist (a database never migrated),
-/// which `exists`, the store's catalog query for a table (one `$1`/`?` parameter: the ledger's name), tells.
-pub(crate) async fn applied<DB>(pool: &sqlx::Pool<DB>, tables: &Tables, exists: &str) -> Result<Vec<(i32, i64)>, Error>
+/// Reads the ledger's `(version, checksum)` rows; none when the ledger does not exist (a database never migrated).
+pub(crate) async fn applied<DB>(pool: &sqlx::Pool<DB>, tables: &Tables) -> Result<Vec<(i32, i64)>, Error>
 where
-    DB: sqlx::Database,
+    DB: crate::store::Store,
     for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
     for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
     for<'q> String: sqlx::Type<DB> + sqlx::Encode<'q, DB>,
@@ -123,11 +122,24 @@ where
     (i64,): for<'r> sqlx::FromRow<'r, DB::Row>,
 {
     let ledger = tables.table("idem_migrations");
-    let (found,): (i64,) = sqlx::query_as(exists).bind(ledger.clone()).fetch_one(pool).await?;
-    if found == 0 {
+    if !table_exists(pool, &ledger).await? {
         return Ok(Vec::new());
     }
     Ok(sqlx::query_as(&format!("SELECT version, checksum FROM {ledger} ORDER BY version")).fetch_all(pool).await?)
+}
+
+/// Whether the table `name` (as [`Tables::table`] names it) exists, asked of the store's catalog
+/// ([`crate::store::Store::TABLE_EXISTS`]).
+pub(crate) async fn table_exists<DB>(pool: &sqlx::Pool<DB>, name: &str) -> Result<bool, sqlx::Error>
+where
+    DB: crate::store::Store,
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+    for<'q> String: sqlx::Type<DB> + sqlx::Encode<'q, DB>,
+    (i64,): for<'r> sqlx::FromRow<'r, DB::Row>,
+{
+    let (found,): (i64,) = sqlx::query_as(DB::TABLE_EXISTS).bind(name.to_owned()).fetch_one(pool).await?;
+    Ok(found > 0)
 }
 
 /// Where one migration stands in a database.

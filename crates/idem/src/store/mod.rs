@@ -50,6 +50,10 @@ pub trait Store: sqlx::Database + Sized {
     /// `postgres` or `sqlite`, for logs and errors.
     const NAME: &'static str;
 
+    /// A catalog query that counts the tables named by its one parameter (`$1` or `?`; qualified by a schema
+    /// where the store has them): how idem tells a missing table without reading an error's text.
+    const TABLE_EXISTS: &'static str;
+
     /// The migrations of this backend, in version order.
     fn migrations() -> &'static [Migration];
     /// The columns of this store's migration ledger, `{prefix}idem_migrations` (version, name, checksum, when).
@@ -178,6 +182,13 @@ pub trait Operations: Store {
         tables: &Tables,
         id: i64,
     ) -> impl Future<Output = Result<(), Error>> + Send;
+    /// Whether idem's table `name` (e.g. `outbox`, under `tables`' prefix) exists: how a missing table is told
+    /// apart from other failures without reading an error's text.
+    fn table_exists(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        name: &str,
+    ) -> impl Future<Output = Result<bool, Error>> + Send;
     /// The migrations recorded in the ledger, `(version, checksum)`; none when the ledger does not exist yet.
     /// Reads only.
     fn applied_migrations(

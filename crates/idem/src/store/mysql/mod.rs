@@ -21,6 +21,8 @@
 //! * **Text** that identifies (event ids, groups, topics) compares byte for byte (`utf8mb4_bin`), as on
 //!   PostgreSQL; sqlx reads such a column as binary, so every `SELECT` of one casts it to `CHAR`.
 //! * **Times** are UTC `DATETIME(6)` written as `UTC_TIMESTAMP(6)`: no 2038 limit, no session time zone.
+//! * **The outbox** ([`outbox`]): relays own slots with named locks (`GET_LOCK`), released by the server when a
+//!   relay's session ends; relays poll (MySQL has no notifications).
 //! * **Capabilities.** The partitioned marker layout and the Sequential Inbox need PostgreSQL; asking for them on
 //!   MySQL is refused at start-up with the reason.
 
@@ -35,9 +37,12 @@ use crate::store::{
     encode_headers, judge_existing, payload_digest,
 };
 
-static MIGRATIONS: [Migration; 2] = [
+mod outbox;
+
+static MIGRATIONS: [Migration; 3] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
+    Migration { version: 3, name: "outbox", sql: include_str!("sql/0003_outbox.sql") },
 ];
 
 /// The oldest servers this store is written for: MySQL 8.0 and MariaDB 10.6 (`FOR UPDATE` on a multi-row
@@ -59,6 +64,8 @@ mod code {
 
 impl Store for MySql {
     const NAME: &'static str = "mysql";
+    const TABLE_EXISTS: &'static str =
+        "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = ?";
 
     fn migrations() -> &'static [Migration] {
         &MIGRATIONS
@@ -411,10 +418,12 @@ impl Operations for MySql {
         Ok(())
     }
 
+    async fn table_exists(pool: &sqlx::MySqlPool, tables: &Tables, name: &str) -> Result<bool, Error> {
+        Ok(crate::store::migrate::table_exists(pool, &tables.table(name)).await?)
+    }
+
     async fn applied_migrations(pool: &sqlx::MySqlPool, tables: &Tables) -> Result<Vec<(i32, i64)>, Error> {
-        let exists =
-            "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = ?";
-        crate::store::migrate::applied::<MySql>(pool, tables, exists).await
+        crate::store::migrate::applied::<MySql>(pool, tables).await
     }
 }
 

@@ -29,6 +29,7 @@ type StoredMarker = (String, Option<Vec<u8>>, String, i32, i64);
 
 impl Store for Postgres {
     const NAME: &'static str = "postgres";
+    const TABLE_EXISTS: &'static str = "SELECT CASE WHEN to_regclass($1) IS NULL THEN 0 ELSE 1 END::int8";
 
     fn migrations() -> &'static [Migration] {
         &MIGRATIONS
@@ -309,8 +310,12 @@ impl Operations for Postgres {
         crate::store::replay::finish(pool, tables, id).await
     }
 
+    async fn table_exists(pool: &sqlx::PgPool, tables: &Tables, name: &str) -> Result<bool, Error> {
+        Ok(crate::store::migrate::table_exists(pool, &tables.table(name)).await?)
+    }
+
     async fn applied_migrations(pool: &sqlx::PgPool, tables: &Tables) -> Result<Vec<(i32, i64)>, Error> {
-        crate::store::migrate::applied::<Postgres>(pool, tables, "SELECT (to_regclass($1) IS NOT NULL)::int8").await
+        crate::store::migrate::applied::<Postgres>(pool, tables).await
     }
 }
 

@@ -20,6 +20,7 @@ static MIGRATIONS: [Migration; 4] = [
 
 impl Store for Sqlite {
     const NAME: &'static str = "sqlite";
+    const TABLE_EXISTS: &'static str = "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = $1";
 
     fn migrations() -> &'static [Migration] {
         &MIGRATIONS
@@ -194,9 +195,12 @@ impl Operations for Sqlite {
         crate::store::replay::finish(pool, tables, id).await
     }
 
+    async fn table_exists(pool: &sqlx::SqlitePool, tables: &Tables, name: &str) -> Result<bool, Error> {
+        Ok(crate::store::migrate::table_exists(pool, &tables.table(name)).await?)
+    }
+
     async fn applied_migrations(pool: &sqlx::SqlitePool, tables: &Tables) -> Result<Vec<(i32, i64)>, Error> {
-        let exists = "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = $1";
-        crate::store::migrate::applied::<Sqlite>(pool, tables, exists).await
+        crate::store::migrate::applied::<Sqlite>(pool, tables).await
     }
 }
 
