@@ -26,4 +26,7 @@ cargo build --release -p idem-bench >&2
 # NATS JetStream and RabbitMQ: the machine's servers unless IDEM_NATS_URL / IDEM_RABBITMQ_URL name others.
 nats="${IDEM_NATS_URL:-nats://127.0.0.1:4222}"
 rabbitmq="${IDEM_RABBITMQ_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}"
-exec target/release/idem-bench --python "$venv/bin/python" --kafka "$brokers" --nats "$nats" --rabbitmq "$rabbitmq" "$@"
+# MySQL/MariaDB: the machine's server unless IDEM_BENCH_MYSQL names another database.
+mysql="${IDEM_BENCH_MYSQL:-mysql://root@127.0.0.1:3306/test}"
+exec target/release/idem-bench --python "$venv/bin/python" --kafka "$brokers" --nats "$nats" --rabbitmq "$rabbitmq" \
+    --mysql "$mysql" "$@"

@@ -126,7 +126,8 @@ python_arg=()
 if "$venv/bin/python" -c "import psycopg" 2>/dev/null; then python_arg=(--python "$venv/bin/python"); fi
 cargo run --quiet -p idem-bench -- --quick "${python_arg[@]}" \
   --nats "${IDEM_NATS_URL:-nats://127.0.0.1:4222}" --rabbitmq "${IDEM_RABBITMQ_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}" \
-  --database-url "${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}"
+  --database-url "${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}" \
+  --mysql "${IDEM_BENCH_MYSQL:-${IDEM_TEST_MYSQL:-mysql://root@127.0.0.1:3306}/test}"
 # The chaos harness at a small size: consumer processes killed at random times, backends terminated, the database
 # refusing connections, the network to it cut; after each trial an independent SQL check of the ledger. On
 # PostgreSQL, SQLite and MySQL/MariaDB (whose sessions it kills with KILL CONNECTION).

@@ -79,7 +79,7 @@ async fn credit_all(tx: &mut PgConnection, accounts: &[i64], amounts: &[i64]) ->
 }
 
 /// Preloaded messages handed out in order; acknowledgements are not needed here.
-pub(super) struct MemorySource(Mutex<VecDeque<Message>>);
+pub(super) struct MemorySource(pub(super) Mutex<VecDeque<Message>>);
 
 impl Source for MemorySource {
     async fn recv(&self) -> Result<Option<Received>, SourceError> {

@@ -5,7 +5,8 @@
 //! event at 1, 2 and 4 partitions; idem batched (100 and 1,000; per-message and batch handler); the batched SQL
 //! limit (a raw loop: one multi-row claim and one UPDATE per batch); end to end from Kafka, NATS JetStream and
 //! RabbitMQ next to their read limits; the outbox (an enqueue per event, the relay next to the produce limits); one
-//! key failing for a while against the same run without it (the other partitions' rate).
+//! key failing for a while against the same run without it (the other partitions' rate); with `--mysql`, idem
+//! per-event and batched against raw SQL loops on MySQL/MariaDB.
 
 use std::collections::{HashSet, VecDeque};
 use std::path::PathBuf;
@@ -28,6 +29,7 @@ mod configured;
 mod failing_key;
 mod idem_legs;
 mod kafka;
+mod mysql;
 mod outbox;
 mod ratios;
 
@@ -71,6 +73,10 @@ pub struct BenchArgs {
     /// The reference handler (default: the copy built into this program, from bench/reference/reference.py).
     #[arg(long)]
     reference: Option<PathBuf>,
+    /// A MySQL or MariaDB database for the MySQL legs (skipped without), e.g. mysql://root@127.0.0.1:3306/test
+    /// (tables prefixed `bench_` are recreated for every leg).
+    #[arg(long, env = "IDEM_BENCH_MYSQL")]
+    mysql: Option<String>,
     /// Kafka brokers for the end-to-end leg (skipped without).
     #[arg(long)]
     kafka: Option<String>,
@@ -313,6 +319,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
 
     legs.extend(brokers::run(&pool, &args, &wanted, &progress, &mut notes).await?);
     legs.extend(outbox::run(&pool, &args, &work, &wanted, &progress, &mut notes).await?);
+    legs.extend(mysql::run(&args, &work, &wanted, &progress, &mut notes).await?);
 
     let ratios = ratios(&legs);
     if args.json {

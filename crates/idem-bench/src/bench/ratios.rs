@@ -50,6 +50,18 @@ pub(super) fn ratios(legs: &[Leg]) -> Vec<(String, f64)> {
             median(&format!("batched SQL limit {batch}")),
         );
     }
+    ratio(
+        "MySQL: idem per-event ÷ raw SQL loop per-event".into(),
+        median(super::mysql::PER_EVENT),
+        median(super::mysql::RAW_PER_EVENT),
+    );
+    for batch in [100, 1_000] {
+        ratio(
+            format!("MySQL: idem batched {batch} (batch handler) ÷ batched SQL limit"),
+            median(&super::mysql::batched(batch)),
+            median(&super::mysql::raw_batched_name(batch)),
+        );
+    }
     let kafka = legs.iter().find(|l| l.name.starts_with("idem end to end from Kafka")).map(|l| l.median);
     let read = legs.iter().find(|l| l.name.starts_with("Kafka read limit")).map(|l| l.median);
     ratio("idem from Kafka ÷ batched SQL limit 1000".into(), kafka, median("batched SQL limit 1000"));
