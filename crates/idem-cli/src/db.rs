@@ -114,16 +114,3 @@ macro_rules! with_pool {
         }
     };
 }
-
-/// [`with_pool!`] for the service mode, whose per-event statements and guards are written for PostgreSQL and
-/// SQLite; on another store, `$lacks` (a capability's name) is refused with the reason.
-#[macro_export]
-macro_rules! with_service_pool {
-    ($db:expr, $lacks:expr, $pool:ident => $body:expr) => {
-        match $db {
-            $crate::db::Db::Postgres($pool) => $body,
-            $crate::db::Db::Sqlite($pool) => $body,
-            db @ $crate::db::Db::Mysql(_) => return Err(db.lacks($lacks, "PostgreSQL or SQLite").into()),
-        }
-    };
-}

@@ -40,6 +40,12 @@ async fn the_ledger_is_exact_after_sigkill_crashes_on_postgres() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn the_ledger_is_exact_after_sigkill_crashes_on_mysql() {
+    let dir = Dir::new("svc_crash_mysql");
+    ledger_exact_after_crashes(Db::mysql("svc_crash"), &dir).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn the_ledger_is_exact_after_sigkill_crashes_on_sqlite() {
     let dir = Dir::new("svc_crash_sqlite");
     let db = Db::sqlite(&dir);
@@ -412,6 +418,24 @@ async fn check_refuses_the_bulk_form_on_sqlite() {
     let (ok, out) = check(&dir, &content, &[]);
     assert!(!ok);
     assert!(out.contains("the bulk form binds arrays (UNNEST), which SQLite lacks"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn check_refuses_the_bulk_form_and_the_inbox_on_mysql() {
+    let dir = Dir::new("svc_check_mysql");
+    let db = Db::mysql("svc_check");
+    db.ledger().await;
+    let content = (db.database_toml() + &ledger_consumer(&db, &dir.path("log"), 10))
+        .replace("[[consumer.effect]]", "[[consumer.bulk]]");
+    let (ok, out) = check(&dir, &content, &[]);
+    assert!(!ok);
+    assert!(out.contains("the bulk form binds arrays (UNNEST), which MySQL lacks"), "{out}");
+    // The same file with per-event effects passes, the database consulted.
+    let good = db.database_toml() + &ledger_consumer(&db, &dir.path("log"), 10);
+    std::fs::create_dir_all(dir.path("log")).expect("log dir");
+    produce(&dir.path("log"), "payments", 1, &payments(1).0);
+    let (ok, out) = check(&dir, &good, &[]);
+    assert!(ok, "{out}");
 }
 
 /// What a small HTTP server received: method, path, `Idempotency-Key`, body.

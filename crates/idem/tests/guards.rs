@@ -1,4 +1,4 @@
-//! The ordering guards and the natural-key mode, on PostgreSQL and SQLite: stale and newer versions, gaps,
+//! The ordering guards and the natural-key mode, on PostgreSQL, SQLite and MySQL/MariaDB: stale and newer versions, gaps,
 //! declared transitions, start-up checks against the schema, and concurrent deliveries of one entity.
 
 mod common;
@@ -61,7 +61,7 @@ struct Order {
 }
 
 macro_rules! orders_handler {
-    ($db:ty, $conn:ty) => {
+    ($db:ty, $conn:ty, $update:literal) => {
         impl Handler<$db> for Orders<$db> {
             async fn handle(&self, event: &Event, tx: &mut $conn) -> Result<(), HandlerError> {
                 let decision = match &*self.0 {
@@ -75,19 +75,15 @@ macro_rules! orders_handler {
                 if decision == Decision::Skip {
                     return Ok(());
                 }
-                sqlx::query("UPDATE orders SET status = $1, total = $2 WHERE id = $3")
-                    .bind(&o.status)
-                    .bind(o.total)
-                    .bind(o.order)
-                    .execute(&mut *tx)
-                    .await?;
+                sqlx::query($update).bind(&o.status).bind(o.total).bind(o.order).execute(&mut *tx).await?;
                 Ok(())
             }
         }
     };
 }
-orders_handler!(sqlx::Postgres, sqlx::PgConnection);
-orders_handler!(sqlx::Sqlite, sqlx::SqliteConnection);
+orders_handler!(sqlx::Postgres, sqlx::PgConnection, "UPDATE orders SET status = $1, total = $2 WHERE id = $3");
+orders_handler!(sqlx::Sqlite, sqlx::SqliteConnection, "UPDATE orders SET status = $1, total = $2 WHERE id = $3");
+orders_handler!(sqlx::MySql, sqlx::MySqlConnection, "UPDATE orders SET status = ?, total = ? WHERE id = ?");
 
 fn machine(on_disallowed: Disallowed, versioned: bool) -> StateMachineSpec {
     StateMachineSpec {
@@ -117,7 +113,7 @@ async fn version_guard<DB: idem::guard::GuardStore>(pool: &sqlx::Pool<DB>) -> Ve
         .expect("version guard")
 }
 
-macro_rules! both {
+macro_rules! every_store {
     ($name:ident, $body:ident) => {
         mod $name {
             #[tokio::test]
@@ -128,6 +124,11 @@ macro_rules! both {
             #[tokio::test]
             async fn sqlite() {
                 let db = super::common::sqlite().await;
+                super::$body(db.pool.clone()).await;
+            }
+            #[tokio::test]
+            async fn mysql() {
+                let db = super::common::mysql().await;
                 super::$body(db.pool.clone()).await;
             }
         }
@@ -148,7 +149,7 @@ async fn row<P: TestPool>(pool: &P, order: i64) -> (i64, i64) {
     (version, total)
 }
 
-both!(version_guard_applies_newer_and_skips_stale, newer_and_stale);
+every_store!(version_guard_applies_newer_and_skips_stale, newer_and_stale);
 async fn newer_and_stale<DB: idem::guard::GuardStore>(pool: sqlx::Pool<DB>)
 where
     sqlx::Pool<DB>: TestPool,
@@ -182,7 +183,7 @@ where
     assert_eq!(pool.scalar("SELECT COUNT(*) FROM processed_events WHERE event_id = 'o7-v2-late'").await, 1);
 }
 
-both!(version_gaps_go_to_the_hook, gaps);
+every_store!(version_gaps_go_to_the_hook, gaps);
 async fn gaps<DB: idem::guard::GuardStore>(pool: sqlx::Pool<DB>)
 where
     sqlx::Pool<DB>: TestPool,
@@ -211,7 +212,7 @@ where
     );
 }
 
-both!(bad_versions_and_ids_are_dead_lettered_with_the_field, bad_values);
+every_store!(bad_versions_and_ids_are_dead_lettered_with_the_field, bad_values);
 async fn bad_values<DB: idem::guard::GuardStore>(pool: sqlx::Pool<DB>)
 where
     sqlx::Pool<DB>: TestPool,
@@ -238,7 +239,7 @@ where
     }
 }
 
-both!(state_machine_rejects_what_the_state_does_not_allow, transitions);
+every_store!(state_machine_rejects_what_the_state_does_not_allow, transitions);
 async fn transitions<DB: idem::guard::GuardStore>(pool: sqlx::Pool<DB>)
 where
     sqlx::Pool<DB>: TestPool,
@@ -286,7 +287,7 @@ where
     );
 }
 
-both!(state_machine_with_versions_skips_stale_events, versioned_machine);
+every_store!(state_machine_with_versions_skips_stale_events, versioned_machine);
 async fn versioned_machine<DB: idem::guard::GuardStore>(pool: sqlx::Pool<DB>)
 where
     sqlx::Pool<DB>: TestPool,
@@ -307,7 +308,7 @@ where
     assert_eq!(row(&pool, 3).await, (2, 2));
 }
 
-both!(guards_are_checked_against_the_schema_at_start_up, schema_checks);
+every_store!(guards_are_checked_against_the_schema_at_start_up, schema_checks);
 async fn schema_checks<DB: idem::guard::GuardStore>(pool: sqlx::Pool<DB>)
 where
     sqlx::Pool<DB>: TestPool,
@@ -448,6 +449,16 @@ mod concurrent_versions {
         let db = super::common::sqlite().await;
         super::newer_wins(db.pool.clone(), true).await;
     }
+    #[tokio::test]
+    async fn mysql_version_guard() {
+        let db = super::common::mysql().await;
+        super::newer_wins(db.pool.clone(), false).await;
+    }
+    #[tokio::test]
+    async fn mysql_state_machine() {
+        let db = super::common::mysql().await;
+        super::newer_wins(db.pool.clone(), true).await;
+    }
 }
 
 /// The natural-key mode's handler: one insert under the order's id; `AlreadyApplied` when it found the row.
@@ -486,7 +497,29 @@ macro_rules! create_order {
 create_order!(sqlx::Postgres, sqlx::PgConnection);
 create_order!(sqlx::Sqlite, sqlx::SqliteConnection);
 
-both!(natural_key_mode_writes_no_marker_and_counts_duplicates, natural_key);
+/// On MySQL the natural key's insert is a plain one: a duplicate fails with 1062 (after waiting for a concurrent
+/// holder of the key to commit), and InnoDB undoes that statement alone, so the handler carries on.
+impl Handler<sqlx::MySql> for CreateOrder {
+    async fn handle(&self, event: &Event, tx: &mut sqlx::MySqlConnection) -> Result<(), HandlerError> {
+        let o: NewOrder = event.json()?;
+        let inserted = sqlx::query("INSERT INTO orders (id, status, total, version) VALUES (?, 'created', ?, 1)")
+            .bind(o.order)
+            .bind(o.total)
+            .execute(&mut *tx)
+            .await;
+        tokio::time::sleep(Duration::from_millis(o.sleep_ms)).await;
+        match inserted {
+            Ok(_) => Ok(()),
+            Err(sqlx::Error::Database(db)) if db.is_unique_violation() => {
+                event.mark(Handled::AlreadyApplied);
+                Ok(())
+            }
+            Err(error) => Err(error.into()),
+        }
+    }
+}
+
+every_store!(natural_key_mode_writes_no_marker_and_counts_duplicates, natural_key);
 async fn natural_key<DB: idem::Backend>(pool: sqlx::Pool<DB>)
 where
     sqlx::Pool<DB>: TestPool,

@@ -122,9 +122,6 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         None => format!("sqlite://{}", dir.join("ledger.db").display()),
     };
     let db = Db::create(&url, 2).await?;
-    if matches!(db, Db::Mysql(_)) && args.service {
-        return Err(db.lacks("--service (the service mode)", "PostgreSQL or SQLite"));
-    }
     let tables = Tables::new(None, PREFIX)?;
     prepare(&db, &tables).await?;
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use idem::guard::{Field, GuardStore, StateMachine, VersionGuard};
 use idem::outbox::{OutboxStore, OutgoingMessage};
 use idem::{BatchHandler, Event, Handler, HandlerError};
-use sqlx::{PgConnection, SqliteConnection};
+use sqlx::{MySqlConnection, PgConnection, SqliteConnection};
 
 use super::plan::{ConsumerPlan, EmitPlan, PlannedSql};
 use super::sql::Rendered;
@@ -172,6 +172,46 @@ impl ServiceDb for sqlx::Sqlite {
         _: &[Param],
         _: &[Vec<Value>],
     ) -> Result<(), sqlx::Error> {
+        // Refused when the file is checked; kept an error rather than a panic.
+        Err(sqlx::Error::Protocol("the bulk form needs PostgreSQL".into()))
+    }
+}
+
+impl ServiceDb for sqlx::MySql {
+    same_for_both!(MySqlConnection, sqlx::MySqlPool);
+
+    fn inbox<S: idem::Source + 'static>(
+        _: idem::Engine<Self>,
+        _: idem::inbox::InboxConfig,
+        _: S,
+        _: Configured<Self>,
+        _: Pin<Box<dyn Future<Output = ()> + Send>>,
+    ) -> Running {
+        Box::pin(async { Err(idem::Error::Config("the Sequential Inbox needs PostgreSQL".into())) })
+    }
+
+    /// Each `?` bound in order (a parameter used twice is bound twice), a null typed as its parameter.
+    async fn run_each(
+        conn: &mut MySqlConnection,
+        sql: &Rendered,
+        params: &[Param],
+        values: &[Value],
+    ) -> Result<u64, sqlx::Error> {
+        let mut query = sqlx::query(&sql.text);
+        for &i in &sql.binds {
+            query = match (&values[i], params[i].ty) {
+                (Value::Integer(v), _) => query.bind(*v),
+                (Value::Boolean(v), _) => query.bind(*v),
+                (Value::Text(v), _) => query.bind(v.as_str()),
+                (Value::Null, ParamType::Integer) => query.bind(None::<i64>),
+                (Value::Null, ParamType::Boolean) => query.bind(None::<bool>),
+                (Value::Null, _) => query.bind(None::<&str>),
+            };
+        }
+        query.execute(conn).await.map(|done| done.rows_affected())
+    }
+
+    async fn run_bulk(_: &mut MySqlConnection, _: &Rendered, _: &[Param], _: &[Vec<Value>]) -> Result<(), sqlx::Error> {
         // Refused when the file is checked; kept an error rather than a panic.
         Err(sqlx::Error::Protocol("the bulk form needs PostgreSQL".into()))
     }

@@ -29,7 +29,7 @@ use tokio::sync::watch;
 
 use crate::db::Db;
 use crate::signals::Signals;
-use crate::with_service_pool;
+use crate::with_pool;
 use effect::{Configured, Running, ServiceDb};
 use plan::{ConsumerPlan, Plan, SourcePlan};
 
@@ -104,8 +104,7 @@ pub async fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
     }
     if !args.offline {
         let db = Db::open_as(&plan.database.url, 2, &url_setting(&plan)).await?;
-        let problems =
-            with_service_pool!(db, "the service mode (idem run)", pool => check::against_database(&pool, &plan).await);
+        let problems = with_pool!(db, pool => check::against_database(&pool, &plan).await);
         if !problems.is_empty() {
             return Err(refused(&args.config, &plan.origins, &problems));
         }
@@ -149,7 +148,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         // `send_replace` stores the flag even before any consumer subscribed (a signal during start-up).
         on_signal.send_replace(true);
     });
-    with_service_pool!(db, "the service mode (idem run)", pool => serve(pool, &args, &args.config, plan, stop).await)?;
+    with_pool!(db, pool => serve(pool, &args, &args.config, plan, stop).await)?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -1,8 +1,9 @@
 //! Effects written as SQL with named parameters (`:amount`), rewritten to the database's numbered placeholders.
 //!
 //! Values are always bound, never spliced into the text: the rewrite only replaces each `:name` outside string
-//! literals, quoted identifiers, comments and dollar-quoted bodies with `$n` (wrapped in a `CAST` where the
-//! parameter's declared type needs one), and binds the event's value as the n-th argument.
+//! literals, quoted identifiers (`"…"` and MySQL's backticks), comments and dollar-quoted bodies with `$n`
+//! (MySQL: `?`, one per use; wrapped in a `CAST` where the parameter's declared type needs one), and binds the
+//! event's value as that argument.
 
 use super::value::ParamType;
 
@@ -26,14 +27,28 @@ pub enum Dialect {
     Postgres,
     /// SQLite.
     Sqlite,
+    /// MySQL and MariaDB: `?` placeholders, bound in order of appearance.
+    Mysql,
+}
+
+impl Dialect {
+    /// The database's name, for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dialect::Postgres => "PostgreSQL",
+            Dialect::Sqlite => "SQLite",
+            Dialect::Mysql => "MySQL",
+        }
+    }
 }
 
 /// A statement ready to run: its text with numbered placeholders, and which declared parameter each binds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rendered {
-    /// The SQL text with `$1`, `$2`, …
+    /// The SQL text with `$1`, `$2`, … (MySQL: `?`)
     pub text: String,
-    /// For each placeholder, in order, the index of the parameter among those declared.
+    /// For each placeholder, in order, the index of the parameter among those declared (on MySQL, one entry per
+    /// use: a parameter used twice is bound twice).
     pub binds: Vec<usize>,
 }
 
@@ -52,7 +67,7 @@ impl NamedSql {
             let c = chars[i];
             let next = chars.get(i + 1).copied();
             let skip_to = match (c, next) {
-                ('\'', _) | ('"', _) => {
+                ('\'', _) | ('"', _) | ('`', _) => {
                     Some(until(i + 1, &[c]).ok_or_else(|| format!("a {c} quote is not closed"))? + 1)
                 }
                 ('-', Some('-')) => Some(until(i, &['\n']).unwrap_or(chars.len())),
@@ -118,8 +133,8 @@ impl NamedSql {
                         ));
                     };
                     let number = match binds.iter().position(|&b| b == index) {
-                        Some(p) => p + 1,
-                        None => {
+                        Some(p) if dialect != Dialect::Mysql => p + 1,
+                        _ => {
                             binds.push(index);
                             binds.len()
                         }
@@ -144,8 +159,13 @@ fn placeholder(dialect: Dialect, ty: ParamType, array: bool, n: usize) -> String
         (Dialect::Postgres, ParamType::Uuid) => Some("uuid"),
         (Dialect::Postgres, ParamType::Json) => Some("jsonb"),
         (Dialect::Sqlite, ParamType::Numeric) => Some("NUMERIC"),
+        (Dialect::Mysql, ParamType::Numeric) => Some("DECIMAL(65, 30)"),
+        (Dialect::Mysql, ParamType::Timestamp) => Some("DATETIME(6)"),
         _ => None,
     };
+    if dialect == Dialect::Mysql {
+        return cast.map_or_else(|| "?".to_owned(), |t| format!("CAST(? AS {t})"));
+    }
     match (cast, array) {
         (Some(t), true) => format!("CAST(${n} AS {t}[])"),
         (Some(t), false) => format!("CAST(${n} AS {t})"),
@@ -209,6 +229,20 @@ mod tests {
         assert!(NamedSql::parse("SELECT $1").expect_err("refused").contains("named parameters"));
         assert!(NamedSql::parse("SELECT 'open").expect_err("refused").contains("not closed"));
         assert!(NamedSql::parse("SELECT $q$ open").expect_err("refused").contains("not closed"));
+    }
+
+    #[test]
+    fn mysql_binds_each_use_in_order_and_leaves_backticks_alone() {
+        let r = NamedSql::parse("UPDATE `a:b` SET balance = balance + :amount WHERE id = :account AND :amount > 0")
+            .and_then(|s| {
+                s.render(Dialect::Mysql, &[("account", ParamType::Integer), ("amount", ParamType::Numeric)], false)
+            })
+            .expect("renders");
+        assert_eq!(
+            r.text,
+            "UPDATE `a:b` SET balance = balance + CAST(? AS DECIMAL(65, 30)) WHERE id = ? AND CAST(? AS DECIMAL(65, 30)) > 0"
+        );
+        assert_eq!(r.binds, vec![1, 0, 1]);
     }
 
     #[test]

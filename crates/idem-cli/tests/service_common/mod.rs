@@ -104,12 +104,27 @@ impl Db {
         Db { url: pg_url(), prefix: format!("{}_", unique(name)) }
     }
 
+    /// Tables of its own (a unique prefix) in the MySQL/MariaDB database at `IDEM_TEST_MYSQL` (default the
+    /// machine's, database `test`).
+    pub fn mysql(name: &str) -> Db {
+        let server = std::env::var("IDEM_TEST_MYSQL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306".into());
+        Db { url: format!("{server}/test"), prefix: format!("{}_", unique(name)) }
+    }
+
+    fn is_mysql(&self) -> bool {
+        self.url.starts_with("mysql:")
+    }
+
     pub fn sqlite(dir: &Dir) -> Db {
         Db { url: format!("sqlite://{}", dir.path("ledger.db").display()), prefix: "svc_".into() }
     }
 
     pub async fn exec(&self, sql: &str) {
-        if self.url.starts_with("sqlite:") {
+        if self.is_mysql() {
+            let pool = sqlx::MySqlPool::connect(&self.url).await.expect("mysql");
+            sqlx::raw_sql(sql).execute(&pool).await.expect(sql);
+            pool.close().await;
+        } else if self.url.starts_with("sqlite:") {
             let pool = idem::sqlite::connect(&self.url).await.expect("sqlite");
             sqlx::raw_sql(sql).execute(&pool).await.expect(sql);
             pool.close().await;
@@ -121,7 +136,14 @@ impl Db {
     }
 
     pub async fn scalar(&self, sql: &str) -> i64 {
-        if self.url.starts_with("sqlite:") {
+        if self.is_mysql() {
+            // The shared queries cast to BIGINT, which MySQL spells SIGNED.
+            let sql = sql.replace("AS BIGINT)", "AS SIGNED)");
+            let pool = sqlx::MySqlPool::connect(&self.url).await.expect("mysql");
+            let v: i64 = sqlx::query_scalar(&sql).fetch_one(&pool).await.expect(&sql);
+            pool.close().await;
+            v
+        } else if self.url.starts_with("sqlite:") {
             let pool = idem::sqlite::connect(&self.url).await.expect("sqlite");
             let v: i64 = sqlx::query_scalar(sql).fetch_one(&pool).await.expect(sql);
             pool.close().await;
@@ -137,10 +159,11 @@ impl Db {
     /// Accounts 1..=10 at zero and an empty ledger.
     pub async fn ledger(&self) {
         let p = &self.prefix;
+        let key = if self.is_mysql() { "VARCHAR(255)" } else { "TEXT" };
         self.exec(&format!(
             "CREATE TABLE {p}accounts (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL DEFAULT 0);
              INSERT INTO {p}accounts (id) VALUES (1),(2),(3),(4),(5),(6),(7),(8),(9),(10);
-             CREATE TABLE {p}ledger (event_id TEXT PRIMARY KEY, account BIGINT NOT NULL, amount BIGINT NOT NULL,
+             CREATE TABLE {p}ledger (event_id {key} PRIMARY KEY, account BIGINT NOT NULL, amount BIGINT NOT NULL,
                                      note TEXT NOT NULL)"
         ))
         .await;

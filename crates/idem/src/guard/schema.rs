@@ -1,6 +1,6 @@
-//! What the guards need of a store: the user table's columns, checked at start-up, and the few statements that
-//! differ between databases (binding an entity id, locking a row). The statements themselves are written once,
-//! in `version` and `state`.
+//! What the guards need of a store: the user table's columns, checked at start-up, and the statements whose
+//! SQL differs between databases (binding an entity id, inserting a row unless it exists, updating by id,
+//! locking a row). What the guards do with them is written once, in `version` and `state`.
 
 use std::future::Future;
 
@@ -38,9 +38,14 @@ mod sealed {
     pub trait Sealed {}
     impl Sealed for sqlx::Postgres {}
     impl Sealed for sqlx::Sqlite {}
+    impl Sealed for sqlx::MySql {}
 }
 
-/// The stores the guards run on: PostgreSQL and SQLite (sealed: its statements are idem's).
+/// The stores the guards run on: PostgreSQL, SQLite and MySQL/MariaDB (sealed: its statements are idem's).
+///
+/// A statement's parameters are bound in one order: the entity id first, then the other values in the order the
+/// statement builders were given them. PostgreSQL and SQLite number their placeholders (`$1`), MySQL binds `?`
+/// in order of appearance, which is why the builders, not the guards, write the SQL.
 pub trait GuardStore: Backend + sealed::Sealed {
     /// The columns of `table` (`name` or `schema.name`), or `None` when there is no such table.
     fn columns(
@@ -63,6 +68,48 @@ pub trait GuardStore: Backend + sealed::Sealed {
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
     /// Parameter `$n`, bound as text, as a value of the column type `sql_type`.
     fn param_as(sql_type: &str, n: usize) -> String;
+    /// Parameter `$n` as bound (a version).
+    fn param(n: usize) -> String {
+        format!("${n}")
+    }
+    /// `expr` as text, in this store's SQL.
+    fn as_text(expr: &str) -> String {
+        format!("CAST({expr} AS TEXT)")
+    }
+    /// `expr` as a 64-bit integer, in this store's SQL.
+    fn as_bigint(expr: &str) -> String {
+        format!("CAST({expr} AS BIGINT)")
+    }
+    /// The version guard's common case in one statement: insert the entity's row, or move it to the next version
+    /// (`$1` the id as `id_param`, `$2` the version), returning a row only when it did (and locking the row).
+    /// `None` where the store has no such statement: the guard then reads the row under lock first.
+    fn next_version_upsert(table: &str, id: &str, version: &str, id_param: &str) -> Option<String> {
+        Some(format!(
+            "INSERT INTO {table} AS cur ({id}, {version}) VALUES ({id_param}, $2)
+             ON CONFLICT ({id}) DO UPDATE SET {version} = excluded.{version}
+              WHERE cur.{version} = excluded.{version} - 1
+             RETURNING {}, {}",
+            Self::as_text("NULL"),
+            Self::as_bigint(version)
+        ))
+    }
+    /// Inserts a row with `id` (bound first, as `id_param`) and `others` (column and parameter, bound after in
+    /// order) unless a row with that id exists; the statement changes one row or none.
+    fn insert_absent(table: &str, id: &str, id_param: &str, others: &[(&str, String)]) -> String {
+        let columns: Vec<&str> = others.iter().map(|(c, _)| *c).collect();
+        let params: Vec<&str> = others.iter().map(|(_, p)| p.as_str()).collect();
+        format!(
+            "INSERT INTO {table} ({id}, {}) VALUES ({id_param}, {}) ON CONFLICT ({id}) DO NOTHING",
+            columns.join(", "),
+            params.join(", ")
+        )
+    }
+    /// Sets `sets` (column and parameter, bound after the id in order) on the row whose `id` is `id_param`
+    /// (bound first).
+    fn update_by_id(table: &str, id: &str, id_param: &str, sets: &[(&str, String)]) -> String {
+        let sets: Vec<String> = sets.iter().map(|(c, p)| format!("{c} = {p}")).collect();
+        format!("UPDATE {table} SET {} WHERE {id} = {id_param}", sets.join(", "))
+    }
     /// Whether the column type holds integers.
     fn is_integer(sql_type: &str) -> bool;
     /// A statement that locks the row of `table` whose `id` equals `id_param` until the transaction ends (taking
@@ -211,6 +258,134 @@ impl GuardStore for sqlx::Sqlite {
     }
 }
 
+impl GuardStore for sqlx::MySql {
+    async fn columns(pool: &sqlx::MySqlPool, table: &str) -> Result<Option<Vec<Column>>, sqlx::Error> {
+        // COLUMN_TYPE keeps an enum's labels (`enum('new','paid')`), which `converts` reads.
+        let rows: Vec<(String, String, i64, i64)> = sqlx::query_as(
+            "SELECT CAST(column_name AS CHAR), CAST(column_type AS CHAR), CAST(is_nullable = 'NO' AS SIGNED),
+                    CAST(column_default IS NOT NULL OR extra LIKE '%auto_increment%' OR extra LIKE '%GENERATED%'
+                         AS SIGNED)
+               FROM information_schema.columns
+              WHERE table_schema = DATABASE() AND table_name = ? ORDER BY ordinal_position",
+        )
+        .bind(table)
+        .fetch_all(pool)
+        .await?;
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(
+            rows.into_iter()
+                .map(|(name, sql_type, not_null, has_default)| Column {
+                    name,
+                    sql_type,
+                    not_null: not_null != 0,
+                    has_default: has_default != 0,
+                })
+                .collect(),
+        ))
+    }
+
+    async fn unique(pool: &sqlx::MySqlPool, table: &str, column: &str) -> Result<bool, sqlx::Error> {
+        let found: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.statistics s
+              WHERE s.table_schema = DATABASE() AND s.table_name = ? AND s.non_unique = 0 AND s.column_name = ?
+                AND (SELECT COUNT(*) FROM information_schema.statistics o
+                      WHERE o.table_schema = s.table_schema AND o.table_name = s.table_name
+                        AND o.index_name = s.index_name) = 1",
+        )
+        .bind(table)
+        .bind(column)
+        .fetch_one(pool)
+        .await?;
+        Ok(found > 0)
+    }
+
+    /// An enum column holds only its labels; MySQL converts text to the other types as it stores it.
+    async fn converts(_pool: &sqlx::MySqlPool, sql_type: &str, text: &str) -> Result<(), sqlx::Error> {
+        let Some(labels) = sql_type.strip_prefix("enum(").and_then(|l| l.strip_suffix(')')) else {
+            return Ok(());
+        };
+        let labels: Vec<String> = labels.split(',').map(|l| l.trim_matches('\'').replace("''", "'")).collect();
+        if labels.iter().any(|l| l == text) {
+            return Ok(());
+        }
+        Err(sqlx::Error::Protocol(format!("not one of the enum's labels ({})", labels.join(", "))))
+    }
+
+    fn param_as(_sql_type: &str, _n: usize) -> String {
+        // MySQL converts the bound text to the column's type where it compares or stores it.
+        "?".to_owned()
+    }
+
+    fn param(_n: usize) -> String {
+        "?".to_owned()
+    }
+
+    fn as_text(expr: &str) -> String {
+        format!("CAST({expr} AS CHAR)")
+    }
+
+    fn as_bigint(expr: &str) -> String {
+        format!("CAST({expr} AS SIGNED)")
+    }
+
+    fn is_integer(sql_type: &str) -> bool {
+        let t = sql_type.to_ascii_lowercase();
+        ["tinyint", "smallint", "mediumint", "int", "bigint"].iter().any(|i| t.starts_with(i))
+    }
+
+    fn lock_row(table: &str, id: &str, id_param: &str, _touch: &str, columns: &str) -> String {
+        format!("SELECT {columns} FROM {table} WHERE {id} = {id_param} FOR UPDATE")
+    }
+
+    /// No `RETURNING` on `UPDATE`: the guard locks the row and reads it first.
+    fn next_version_upsert(_table: &str, _id: &str, _version: &str, _id_param: &str) -> Option<String> {
+        None
+    }
+
+    /// The values come in as a derived table (the `?` in bind order), inserted unless the id is there.
+    fn insert_absent(table: &str, id: &str, id_param: &str, others: &[(&str, String)]) -> String {
+        let columns: Vec<&str> = others.iter().map(|(c, _)| *c).collect();
+        let values: Vec<String> = others.iter().enumerate().map(|(n, (_, p))| format!("{p} AS v{n}")).collect();
+        let picked: Vec<String> = (0..others.len()).map(|n| format!("p.v{n}")).collect();
+        format!(
+            "INSERT INTO {table} ({id}, {}) SELECT p.id, {} FROM (SELECT {id_param} AS id, {}) p
+              WHERE NOT EXISTS (SELECT 1 FROM {table} e WHERE e.{id} = p.id)",
+            columns.join(", "),
+            picked.join(", "),
+            values.join(", ")
+        )
+    }
+
+    /// The id and the values as a derived table (the `?` in bind order), joined to the row.
+    fn update_by_id(table: &str, id: &str, id_param: &str, sets: &[(&str, String)]) -> String {
+        let values: Vec<String> = sets.iter().enumerate().map(|(n, (_, p))| format!("{p} AS v{n}")).collect();
+        let assign: Vec<String> = sets.iter().enumerate().map(|(n, (c, _))| format!("t.{c} = p.v{n}")).collect();
+        format!(
+            "UPDATE {table} t JOIN (SELECT {id_param} AS id, {}) p ON t.{id} = p.id SET {}",
+            values.join(", "),
+            assign.join(", ")
+        )
+    }
+
+    fn fetch_pair(
+        conn: &mut sqlx::MySqlConnection,
+        sql: &str,
+        binds: &[Bind<'_>],
+    ) -> impl Future<Output = Result<Option<Pair>, sqlx::Error>> + Send {
+        fetch_pair::<sqlx::MySql>(conn, sql, binds)
+    }
+
+    fn execute(
+        conn: &mut sqlx::MySqlConnection,
+        sql: &str,
+        binds: &[Bind<'_>],
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send {
+        execute::<sqlx::MySql>(conn, sql, binds)
+    }
+}
+
 fn to_columns<R: Row>(rows: &[R]) -> Option<Vec<Column>>
 where
     usize: sqlx::ColumnIndex<R>,
@@ -273,12 +448,14 @@ where
 }
 
 fn rows_affected<DB: sqlx::Database>(done: &DB::QueryResult) -> u64 {
-    // Both stores' results say how many rows changed; sqlx has no trait for it.
+    // Every store's result says how many rows changed; sqlx has no trait for it.
     let any: &dyn std::any::Any = done;
     if let Some(pg) = any.downcast_ref::<sqlx::postgres::PgQueryResult>() {
         pg.rows_affected()
     } else if let Some(lite) = any.downcast_ref::<sqlx::sqlite::SqliteQueryResult>() {
         lite.rows_affected()
+    } else if let Some(my) = any.downcast_ref::<sqlx::mysql::MySqlQueryResult>() {
+        my.rows_affected()
     } else {
         0
     }

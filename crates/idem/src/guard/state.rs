@@ -233,23 +233,12 @@ impl<DB: GuardStore> StateMachine<DB> {
         let (table, i, s) = (&spec.table, &spec.id_column, &spec.state_column);
         let id_param = DB::param_as(&id.sql_type, 1);
         let state_param = DB::param_as(&state.sql_type, 2);
-        let (version_read, create, update) = match &spec.version_column {
-            Some(v) => (
-                format!("CAST({v} AS BIGINT)"),
-                format!(
-                    "INSERT INTO {table} ({i}, {s}, {v}) VALUES ({id_param}, {state_param}, $3) ON CONFLICT ({i}) DO NOTHING"
-                ),
-                format!("UPDATE {table} SET {s} = {state_param}, {v} = $3 WHERE {i} = {id_param}"),
-            ),
-            None => (
-                "CAST(NULL AS BIGINT)".to_owned(),
-                format!(
-                    "INSERT INTO {table} ({i}, {s}) VALUES ({id_param}, {state_param}) ON CONFLICT ({i}) DO NOTHING"
-                ),
-                format!("UPDATE {table} SET {s} = {state_param} WHERE {i} = {id_param}"),
-            ),
-        };
-        let read = DB::lock_row(table, i, &id_param, s, &format!("CAST({s} AS TEXT), {version_read}"));
+        let mut values = vec![(s.as_str(), state_param)];
+        values.extend(spec.version_column.as_deref().map(|v| (v, DB::param(3))));
+        let version_read = DB::as_bigint(spec.version_column.as_deref().unwrap_or("NULL"));
+        let create = DB::insert_absent(table, i, &id_param, &values);
+        let update = DB::update_by_id(table, i, &id_param, &values);
+        let read = DB::lock_row(table, i, &id_param, s, &format!("{}, {version_read}", DB::as_text(s)));
         let next =
             spec.transitions.iter().map(|t| ((t.from.clone(), t.on.clone()), t.to.clone())).collect::<HashMap<_, _>>();
         Ok(StateMachine {

@@ -53,7 +53,10 @@ pub struct VersionGuard<DB> {
     entity: Field,
     version: Field,
     id_is_integer: bool,
-    upsert: String,
+    /// The one-statement common case, where the store has one.
+    upsert: Option<String>,
+    /// Creates the entity's row (where there is no upsert).
+    create: String,
     read: String,
     force: String,
     on_gap: GapHook,
@@ -99,15 +102,12 @@ impl<DB: GuardStore> VersionGuard<DB> {
         t.creatable(&what, &[id_column, version_column])?;
         let id_param = DB::param_as(&id.sql_type, 1);
         let (i, v) = (id_column, version_column);
+        let columns = format!("{}, {}", DB::as_text("NULL"), DB::as_bigint(v));
         Ok(VersionGuard {
-            upsert: format!(
-                "INSERT INTO {table} AS cur ({i}, {v}) VALUES ({id_param}, $2)
-                 ON CONFLICT ({i}) DO UPDATE SET {v} = excluded.{v}
-                  WHERE cur.{v} = excluded.{v} - 1
-                 RETURNING CAST(NULL AS TEXT), CAST({v} AS BIGINT)"
-            ),
-            read: DB::lock_row(table, i, &id_param, v, &format!("CAST(NULL AS TEXT), CAST({v} AS BIGINT)")),
-            force: format!("UPDATE {table} SET {v} = $2 WHERE {i} = {id_param}"),
+            upsert: DB::next_version_upsert(table, i, v, &id_param),
+            create: DB::insert_absent(table, i, &id_param, &[(v, DB::param(2))]),
+            read: DB::lock_row(table, i, &id_param, v, &columns),
+            force: DB::update_by_id(table, i, &id_param, &[(v, DB::param(2))]),
             id_is_integer: DB::is_integer(&id.sql_type),
             table: table.to_owned(),
             entity,
@@ -137,11 +137,23 @@ impl<DB: GuardStore> VersionGuard<DB> {
         }
         let version = self.version.integer(event, "version")?;
         let binds = [Bind::Text(&entity), Bind::Int(version)];
-        if DB::fetch_pair(&mut *tx, &self.upsert, &binds).await?.is_some() {
-            return Ok(Decision::Apply);
-        }
-        // Not the next version: the row is locked now; read what it holds.
-        let current = DB::fetch_pair(&mut *tx, &self.read, &binds[..1]).await?.and_then(|(_, v)| v);
+        let current = match &self.upsert {
+            Some(upsert) => {
+                if DB::fetch_pair(&mut *tx, upsert, &binds).await?.is_some() {
+                    return Ok(Decision::Apply);
+                }
+                // Not the next version: the row is locked now; read what it holds.
+                DB::fetch_pair(&mut *tx, &self.read, &binds[..1]).await?.and_then(|(_, v)| v)
+            }
+            None => match self.read_or_create(tx, &binds).await? {
+                Some(current) if current.is_some_and(|c| version == c + 1) => {
+                    DB::execute(&mut *tx, &self.force, &binds).await?;
+                    return Ok(Decision::Apply);
+                }
+                Some(current) => current,
+                None => return Ok(Decision::Apply),
+            },
+        };
         let Some(current) = current else {
             // A row without a version (written before the guard): set it. No row at all means the upsert wrote
             // nothing (a trigger refused it): nothing to apply to.
@@ -170,6 +182,29 @@ impl<DB: GuardStore> VersionGuard<DB> {
             GapDecision::DeadLetter => Err(HandlerError::permanent(gap_reason(&self.table, &gap))),
             GapDecision::Retry => Err(HandlerError::retryable(gap_reason(&self.table, &gap))),
         }
+    }
+}
+
+impl<DB: GuardStore> VersionGuard<DB> {
+    /// Without an upsert: the row's version under lock (`Some`), or `None` once the row was created at the event's
+    /// version. A row created by a concurrent transaction between the read and the insert is read again.
+    async fn read_or_create(
+        &self,
+        tx: &mut DB::Connection,
+        binds: &[Bind<'_>],
+    ) -> Result<Option<Option<i64>>, HandlerError> {
+        for _ in 0..3 {
+            if let Some((_, current)) = DB::fetch_pair(&mut *tx, &self.read, &binds[..1]).await? {
+                return Ok(Some(current));
+            }
+            if DB::execute(&mut *tx, &self.create, binds).await? == 1 {
+                return Ok(None);
+            }
+        }
+        Err(HandlerError::retryable(format!(
+            "version guard on `{}`: the entity's row kept appearing and disappearing; retrying",
+            self.table
+        )))
     }
 }
 

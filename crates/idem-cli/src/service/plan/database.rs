@@ -59,17 +59,13 @@ pub(super) fn plan(problems: &mut Problems<'_>, db: &file::Database) -> Option<D
         Dialect::Postgres
     } else if url.starts_with("sqlite:") {
         Dialect::Sqlite
+    } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+        Dialect::Mysql
     } else {
-        let message = if url.starts_with("mysql://") || url.starts_with("mariadb://") {
-            format!(
-                "`{}`: the service mode needs PostgreSQL or SQLite in this version of idem (its per-event statements, \
-                 guards and outbox are written for them); MySQL/MariaDB is a store for Rust consumers \
-                 (idem::mysql) and the operator's commands",
-                idem::error::redact_url(&url)
-            )
-        } else {
-            format!("`{}` is neither postgres://user@host:port/db nor sqlite://path.db", idem::error::redact_url(&url))
-        };
+        let message = format!(
+            "`{}` is neither postgres://user@host:port/db, mysql://user@host:port/db nor sqlite://path.db",
+            idem::error::redact_url(&url)
+        );
         match from_env {
             true => problems.found.push(Problem { line: None, key: "environment IDEM_DATABASE_URL".into(), message }),
             false => problems.at(&db.url, key, message),

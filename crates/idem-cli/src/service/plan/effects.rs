@@ -132,12 +132,15 @@ pub(super) fn plan(
     let each = render(problems, &c.effects, "effect", false);
     let bulk = render(problems, &c.bulk, "bulk", true);
     if !c.bulk.is_empty() {
-        if dialect == Dialect::Sqlite {
+        if dialect != Dialect::Postgres {
             problems.at(
                 &c.bulk[0].sql,
                 &here("bulk"),
-                "the bulk form binds arrays (UNNEST), which SQLite lacks: \
-                 declare the statements as [[consumer.effect]] on SQLite",
+                format!(
+                    "the bulk form binds arrays (UNNEST), which {db} lacks: declare the statements as \
+                     [[consumer.effect]] on {db}",
+                    db = dialect.name()
+                ),
             );
         }
         if !c.effects.is_empty() {

@@ -213,8 +213,12 @@ fn consumer_plan(
             }
         };
         if let Some(period) = period {
-            if dialect == Dialect::Sqlite {
-                problems.at(layout, &here("layout"), "partitioned markers need PostgreSQL: use plain on SQLite");
+            if dialect != Dialect::Postgres {
+                problems.at(
+                    layout,
+                    &here("layout"),
+                    format!("partitioned markers need PostgreSQL: use plain on {}", dialect.name()),
+                );
             }
             match &c.redelivery_window {
                 None => problems.at(
@@ -270,8 +274,12 @@ fn consumer_plan(
         spec.map_err(|e| problems.at(table, &here("state_machine"), e)).ok()
     });
     let inbox = c.inbox.as_ref().and_then(|table| {
-        if dialect == Dialect::Sqlite {
-            problems.line(line, &here("inbox"), "the Sequential Inbox needs PostgreSQL");
+        if dialect != Dialect::Postgres {
+            problems.line(
+                line,
+                &here("inbox"),
+                format!("the Sequential Inbox needs PostgreSQL, not {}", dialect.name()),
+            );
             return None;
         }
         if !bulk.is_empty() {
