@@ -594,7 +594,7 @@ class Trial:
         ]  # fmt: skip
         if follow:
             cmd.append("--follow")
-        env = {k: v for k, v in os.environ.items() if k not in ("IDEM_FAULT", "IDEM_DATABASE_URL", "IDEM_LOG")}
+        env = {k: v for k, v in os.environ.items() if k not in ("IDEM_DATABASE_URL", "IDEM_LOG")}
         env["NO_COLOR"] = "1"
         self.read_reports()
         slot.assigned = slot.last_assigned = None

@@ -470,10 +470,9 @@ impl Worker {
         if follow {
             command.arg("--follow");
         }
-        match fault {
-            Some(fault) => command.env("IDEM_FAULT", fault),
-            None => command.env_remove("IDEM_FAULT"),
-        };
+        if let Some(fault) = fault {
+            command.args(["--fault", fault]);
+        }
         let stderr_path = run.dir.join(format!("worker-{}.err", WORKERS.fetch_add(1, Ordering::Relaxed)));
         let stderr = std::fs::File::create(&stderr_path).expect("a worker's stderr file");
         let mut child =

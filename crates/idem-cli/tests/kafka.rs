@@ -35,10 +35,9 @@ impl Consumer {
         command.args(["--log", "warn", "demo-worker", "--kafka", &brokers(), "--topic", topic, "--group", group]);
         command.args(["--database-url", url, "--batch-size", "5", "--follow"]);
         command.args(["--kafka-setting", "session.timeout.ms=6000"]);
-        match fault {
-            Some(fault) => command.env("IDEM_FAULT", fault),
-            None => command.env_remove("IDEM_FAULT"),
-        };
+        if let Some(fault) = fault {
+            command.args(["--fault", fault]);
+        }
         let mut child = command.stdout(Stdio::piped()).spawn().expect("start a consumer");
         let stdout = child.stdout.take().expect("stdout");
         let (tx, lines) = mpsc::channel();

@@ -7,7 +7,7 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 fn idem(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_idem")).args(args).env_remove("IDEM_FAULT").output().expect("run idem")
+    Command::new(env!("CARGO_BIN_EXE_idem")).args(args).output().expect("run idem")
 }
 
 fn text(out: &Output) -> String {

@@ -45,6 +45,29 @@ async fn the_ledger_is_exact_after_sigkill_crashes_on_mysql() {
     ledger_exact_after_crashes(Db::mysql("svc_crash"), &dir).await;
 }
 
+/// No environment variable arms fault injection: `IDEM_FAULT=after-commit:1` in the environment leaves `idem run`
+/// running to the end.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_environment_variable_makes_idem_run_kill_itself() {
+    let dir = Dir::new("svc_no_env_fault");
+    let db = Db::sqlite(&dir);
+    idem::sqlite::connect(&db.url).await.expect("create the file").close().await;
+    db.ledger().await;
+    let (lines, total) = payments(50);
+    let log = dir.path("log");
+    produce(&log, "payments", 1, &lines);
+    let config = dir.write("idem.toml", &(db.database_toml() + &ledger_consumer(&db, &log, 5)));
+    let output = idem()
+        .args(["run", "--exit-at-end", "--config"])
+        .arg(&config)
+        .env("IDEM_FAULT", "after-commit:1")
+        .output()
+        .expect("idem run");
+    assert!(output.status.success(), "{}", text(&output));
+    let p = &db.prefix;
+    assert_eq!(db.scalar(&format!("SELECT CAST(SUM(balance) AS BIGINT) FROM {p}accounts")).await, total);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_ledger_is_exact_after_sigkill_crashes_on_sqlite() {
     let dir = Dir::new("svc_crash_sqlite");

@@ -40,7 +40,7 @@ async fn the_ledger_is_exact_after_sigkill_crashes_on_kafka() {
         let mut command = idem();
         command.args(["run", "--exit-at-end", "--config"]).arg(&config).env("IDEM_TEST_KAFKA", kafka_brokers());
         if let Some(fault) = fault {
-            command.env("IDEM_FAULT", fault);
+            command.args(["--fault", fault]);
         }
         let stderr = std::fs::File::create(&log).expect("log file");
         let mut child = command.stdout(Stdio::null()).stderr(stderr).spawn().expect("idem run");

@@ -1,14 +1,16 @@
 //! Fault injection: kill the process with SIGKILL at a chosen point of the transaction order.
 //!
-//! Only with the cargo feature `fault-injection` (the `idem` binary has it; a library user's program does not,
-//! so no environment variable can make it kill itself), and then off unless the environment variable
-//! `IDEM_FAULT` is set when the engine starts. Its value is
-//! `<point>:<n>`: the process kills itself with SIGKILL the n-th time (counting from 1) it reaches `<point>`:
+//! Only with the cargo feature `fault-injection`, and then only where a program arms it explicitly
+//! ([`crate::Engine::with_faults`]): no environment variable arms it, so neither `idem run`, `idem relay` nor a
+//! library user's program can be made to kill itself from outside. The `idem` binary arms it only in the demo's
+//! consumer processes (`idem demo-worker --fault`, `idem run --fault`, both hidden flags the demo and the crash
+//! tests pass). A fault is `<point>:<n>`: the process kills itself with SIGKILL the n-th time (counting from 1)
+//! it reaches `<point>`:
 //!
 //! * `before-commit`: after the handlers ran, before `COMMIT` (the work must be redone after a restart);
 //! * `after-commit`: after `COMMIT`, before the broker acknowledgement (the redelivery must be a duplicate).
 //!
-//! `idem demo` and the crash tests use it; production processes never set it.
+//! `idem demo` and the crash tests use it; production processes never arm it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -30,9 +32,6 @@ impl FaultPoint {
     }
 }
 
-/// The environment variable that switches a fault on.
-pub const FAULT_ENV: &str = "IDEM_FAULT";
-
 /// A fault armed for one point: kills the process the n-th time that point is reached.
 #[derive(Debug)]
 pub struct Faults {
@@ -46,25 +45,10 @@ impl Faults {
         Faults { armed: None, reached: AtomicU64::new(0) }
     }
 
-    /// Reads `IDEM_FAULT`; an unreadable value is refused so a test cannot silently run without its fault.
-    /// Without the `fault-injection` feature, no fault: the variable is ignored (and a warning says so).
-    pub fn from_env() -> Result<Self, crate::Error> {
-        match std::env::var(FAULT_ENV) {
-            Ok(spec) if cfg!(feature = "fault-injection") => Self::parse(&spec),
-            Ok(_) => {
-                tracing::warn!("{FAULT_ENV} is set but ignored: this program is built without fault injection");
-                Ok(Self::none())
-            }
-            Err(_) => Ok(Self::none()),
-        }
-    }
-
-    /// Parses `<point>:<n>`.
+    /// Parses `<point>:<n>`; an unreadable value is refused, so a test cannot silently run without its fault.
     pub fn parse(spec: &str) -> Result<Self, crate::Error> {
         let bad = || {
-            crate::Error::Config(format!(
-                "{FAULT_ENV}=`{spec}` is invalid: use before-commit:N or after-commit:N with N ≥ 1, or unset it"
-            ))
+            crate::Error::Config(format!("fault `{spec}` is invalid: use before-commit:N or after-commit:N with N ≥ 1"))
         };
         let (point, n) = spec.split_once(':').ok_or_else(bad)?;
         let point = match point {
@@ -110,7 +94,7 @@ mod tests {
         assert!(Faults::parse("after-commit:3").is_ok());
         assert!(Faults::parse("before-commit:1").is_ok());
         for bad in ["after-commit", "after-commit:0", "middle:1", "after-commit:x"] {
-            assert!(Faults::parse(bad).unwrap_err().to_string().contains("IDEM_FAULT"), "{bad}");
+            assert!(Faults::parse(bad).unwrap_err().to_string().contains("before-commit:N"), "{bad}");
         }
     }
 

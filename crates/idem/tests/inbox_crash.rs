@@ -2,7 +2,7 @@
 //! it reaches the end of the log, leaves every order handled once, in its declared order.
 //!
 //! The test re-runs its own binary as the consumer process (`consumer_process`, inert unless the test sets its
-//! environment), killed by `IDEM_FAULT`.
+//! environment), killed by the fault it arms from `IDEM_INBOX_CRASH_FAULT`.
 
 mod common;
 
@@ -17,8 +17,18 @@ use idem::{Config, Engine, KeyExtractor};
 
 const LOG_ENV: &str = "IDEM_INBOX_CRASH_LOG";
 const DB_ENV: &str = "IDEM_INBOX_CRASH_DB";
+const FAULT_ENV: &str = "IDEM_INBOX_CRASH_FAULT";
 
 const SEQUENCES: &str = include_str!("../examples/order_sequence.toml");
+
+/// The consumer process's engine, with the fault its environment names armed.
+fn engine(pool: sqlx::PgPool, config: Config) -> Engine<sqlx::Postgres> {
+    let engine = Engine::new(pool, config).unwrap();
+    match std::env::var(FAULT_ENV) {
+        Ok(fault) => engine.with_faults(idem::fault::Faults::parse(&fault).unwrap()),
+        Err(_) => engine,
+    }
+}
 
 /// The consumer process: runs the inbox over the log to its end. Does nothing when run as an ordinary test.
 #[tokio::test]
@@ -26,8 +36,7 @@ async fn consumer_process() {
     let (Ok(dir), Ok(url)) = (std::env::var(LOG_ENV), std::env::var(DB_ENV)) else { return };
     let pool = idem::postgres::connect(&url, 4).await.unwrap();
     let config = Config::new("history", KeyExtractor::JsonPointer("/eventId".into()));
-    let inbox =
-        SequentialInbox::new(Engine::new(pool, config).unwrap(), InboxConfig::from_toml(SEQUENCES).unwrap()).unwrap();
+    let inbox = SequentialInbox::new(engine(pool, config), InboxConfig::from_toml(SEQUENCES).unwrap()).unwrap();
     let log = EmbeddedLog::open(&dir).unwrap();
     let options = ConsumerOptions { stop_at_end: true, poll_interval: Duration::from_millis(5), ..Default::default() };
     let source = log.consumer("history", &["orders"], options).unwrap();
@@ -74,7 +83,7 @@ async fn killed_consumers_leave_every_order_handled_once_in_order() {
         let mut command = Command::new(&exe);
         command.args(["consumer_process", "--exact", "--nocapture"]).env(LOG_ENV, &dir.0).env(DB_ENV, &db.url);
         if !fault.is_empty() {
-            command.env("IDEM_FAULT", fault);
+            command.env(FAULT_ENV, fault);
         }
         let status = command.status().unwrap();
         if status.signal() == Some(9) {

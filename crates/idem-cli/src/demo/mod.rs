@@ -2,7 +2,7 @@
 //!
 //! The parent process produces payment events into the embedded log (with producer retries, i.e. duplicates,
 //! and a few poison messages), then runs consumer child processes (`idem demo-worker`) one after the other.
-//! Each planned crash arms the fault injection of one child (`IDEM_FAULT`), which kills itself with SIGKILL
+//! Each planned crash arms the fault injection of one child (`--fault`), which kills itself with SIGKILL
 //! between the database commit and the acknowledgement (or before the commit); the next child resumes from
 //! the last acknowledged offsets. At the end the ledger is checked to the cent against what was produced.
 
@@ -30,6 +30,7 @@ pub use events::{ProduceArgs, Rng, produce, write_kafka, write_nats, write_rabbi
 use summary::{Summary, print_summary};
 use transport::Transport;
 use worker::CommitReport;
+pub(crate) use worker::faults;
 pub use worker::{WorkerArgs, report_commit, worker};
 
 const TOPIC: &str = "payments";
@@ -302,10 +303,9 @@ async fn consume(
             }
         }
         command.stdout(Stdio::piped()).stdin(Stdio::null()).kill_on_drop(true);
-        match &fault {
-            Some(fault) => command.env(idem::fault::FAULT_ENV, fault),
-            None => command.env_remove(idem::fault::FAULT_ENV),
-        };
+        if let Some(fault) = &fault {
+            command.arg("--fault").arg(fault);
+        }
         let mut child = command.spawn().context("cannot start a consumer process")?;
         summary.consumer_runs += 1;
         progress.set_message(format!(

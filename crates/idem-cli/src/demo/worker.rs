@@ -73,6 +73,10 @@ pub struct WorkerArgs {
     /// Keep consuming at the end of the log instead of exiting (until SIGINT or SIGTERM).
     #[arg(long)]
     follow: bool,
+    /// Kill this process with SIGKILL at a point of the transaction order: `before-commit:N` or
+    /// `after-commit:N` (the demo's planned crashes, the crash tests).
+    #[arg(long, hide = true)]
+    fault: Option<String>,
     /// Serve /metrics, /healthz and /readyz on this address (e.g. 127.0.0.1:9464).
     #[arg(long)]
     metrics_addr: Option<std::net::SocketAddr>,
@@ -159,13 +163,13 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
             kafka.stop_at_end = !args.follow;
             let observer: idem::kafka::consumer::AssignmentObserver = std::sync::Arc::new(report_assignment);
             let source = idem::kafka::KafkaSource::connect_observed(&kafka, &config, Some(observer)).await?;
-            with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, signals).await?);
+            with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults(args.fault.as_deref())?, signals).await?);
         }
         (None, Some(dir)) => {
             let log = EmbeddedLog::open(dir)?;
             let options = ConsumerOptions { stop_at_end: !args.follow, ..ConsumerOptions::default() };
             let source = log.consumer(&args.group, &[args.topic.as_str()], options)?;
-            with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, signals).await?);
+            with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults(args.fault.as_deref())?, signals).await?);
         }
         (None, None) => bail!("give --log-dir, --kafka, --nats, --rabbitmq or --sqs"),
     }
@@ -191,7 +195,7 @@ async fn nats(
         ..idem::nats::NatsConfig::new(url, args.topic.as_str())
     };
     let source = idem::nats::NatsSource::connect(&nats, &config).await?;
-    with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, signals).await?);
+    with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults(args.fault.as_deref())?, signals).await?);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -214,7 +218,7 @@ async fn rabbitmq(
         ..idem::rabbitmq::RabbitConfig::new(url, &queues)
     };
     let source = idem::rabbitmq::RabbitSource::connect(&rabbit, &config).await?;
-    with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, signals).await?);
+    with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults(args.fault.as_deref())?, signals).await?);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -236,7 +240,7 @@ async fn sqs(
         ..idem::sqs::SqsConfig::new(args.topic.as_str())
     };
     let source = idem::sqs::SqsSource::connect(&sqs, &config).await?;
-    with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, signals).await?);
+    with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults(args.fault.as_deref())?, signals).await?);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -260,15 +264,24 @@ fn report_assignment(partitions: &[idem::source::Partition]) {
     report_line(serde_json::json!({ "assigned": numbers }));
 }
 
+/// The fault a consumer process of the demo arms (`--fault`), if any.
+pub(crate) fn faults(spec: Option<&str>) -> anyhow::Result<Option<idem::fault::Faults>> {
+    Ok(spec.map(idem::fault::Faults::parse).transpose()?)
+}
+
 async fn consume_with<DB: Backend, S: idem::Source, H: Handler<DB>>(
     pool: sqlx::Pool<DB>,
     source: S,
     config: Config,
     handler: H,
     metrics_addr: Option<std::net::SocketAddr>,
+    faults: Option<idem::fault::Faults>,
     signals: Signals,
 ) -> anyhow::Result<()> {
-    let engine = Engine::new(pool, config)?.on_commit(report_commit);
+    let mut engine = Engine::new(pool, config)?.on_commit(report_commit);
+    if let Some(faults) = faults {
+        engine = engine.with_faults(faults);
+    }
     if let Some(addr) = metrics_addr {
         let recorder = idem::http::install_recorder()?;
         let bound = idem::http::serve(addr, recorder, engine.clone()).await?;

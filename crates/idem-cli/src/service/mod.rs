@@ -45,6 +45,10 @@ pub struct RunArgs {
     /// Print one JSON line per committed transaction on stdout (what the demo counts).
     #[arg(long, hide = true)]
     pub report_commits: bool,
+    /// Kill this process with SIGKILL at a point of the transaction order (`before-commit:N`,
+    /// `after-commit:N`): the demo's planned crashes and the crash tests. No environment variable arms it.
+    #[arg(long, hide = true)]
+    pub fault: Option<String>,
 }
 
 /// Arguments of `idem check`.
@@ -173,6 +177,9 @@ async fn serve<DB: ServiceDb>(
         let mut engine = Engine::new(pool.clone(), consumer.config.clone()).with_context(|| whose(consumer))?;
         if args.report_commits {
             engine = engine.on_commit(crate::demo::report_commit);
+        }
+        if let Some(faults) = crate::demo::faults(args.fault.as_deref())? {
+            engine = engine.with_faults(faults);
         }
         let future = start(engine.clone(), consumer, handler, args.exit_at_end, until(stop.subscribe()))
             .await

@@ -8,7 +8,7 @@ use std::process::{Command, Output, Stdio};
 
 pub fn idem() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
-    command.env_remove("IDEM_FAULT").env_remove("IDEM_DATABASE_URL").env_remove("IDEM_CONFIG");
+    command.env_remove("IDEM_DATABASE_URL").env_remove("IDEM_CONFIG");
     command
 }
 
@@ -214,7 +214,7 @@ pub fn run(config: &Path, fault: Option<&str>) -> Output {
     let mut command = idem();
     command.args(["run", "--exit-at-end", "--config"]).arg(config);
     if let Some(fault) = fault {
-        command.env("IDEM_FAULT", fault);
+        command.args(["--fault", fault]);
     }
     command.output().expect("idem run")
 }

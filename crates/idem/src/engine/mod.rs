@@ -62,7 +62,8 @@ struct Inner<DB: Backend> {
     draining: AtomicBool,
     /// Each partition's lane: what its worker holds, its pause, its stall.
     lanes: flow::Lanes,
-    faults: Faults,
+    /// A fault armed by [`Engine::with_faults`] (crash tests and the demo only).
+    faults: std::sync::OnceLock<Faults>,
     breaker: Breaker,
     /// Shared by every clone.
     on_commit: std::sync::RwLock<Option<CommitObserver>>,
@@ -75,11 +76,10 @@ struct Inner<DB: Backend> {
 }
 
 impl<DB: Backend> Engine<DB> {
-    /// An engine over `pool` (give it at least one connection per partition this process consumes). Reads the
-    /// fault-injection switch `IDEM_FAULT` (see [`crate::fault`]); refuses an invalid configuration.
+    /// An engine over `pool` (give it at least one connection per partition this process consumes); refuses an
+    /// invalid configuration.
     pub fn new(pool: Pool<DB>, config: Config) -> Result<Self, Error> {
         config.validate()?;
-        let faults = Faults::from_env()?;
         let breaker = Breaker::new(config.kill_switch);
         Ok(Engine {
             inner: Arc::new(Inner {
@@ -89,7 +89,7 @@ impl<DB: Backend> Engine<DB> {
                 running: AtomicBool::new(false),
                 draining: AtomicBool::new(false),
                 lanes: flow::Lanes::default(),
-                faults,
+                faults: std::sync::OnceLock::new(),
                 breaker,
                 on_commit: std::sync::RwLock::new(None),
                 layout_checked: tokio::sync::Mutex::new(None),
@@ -97,6 +97,15 @@ impl<DB: Backend> Engine<DB> {
                 system: std::sync::OnceLock::new(),
             }),
         })
+    }
+
+    /// Arms a fault (see [`crate::fault`]): the process kills itself at its point of the transaction order. Only
+    /// with the `fault-injection` feature, for crash tests and the demo; the first call arms, later ones are
+    /// ignored. Every clone of the engine shares it.
+    #[cfg(feature = "fault-injection")]
+    pub fn with_faults(self, faults: Faults) -> Self {
+        let _ = self.inner.faults.set(faults);
+        self
     }
 
     /// Calls `observer` after every `COMMIT`, before the acknowledgement (progress reporting, tests), in place of

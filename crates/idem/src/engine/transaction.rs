@@ -135,7 +135,7 @@ impl<DB: Backend> Engine<DB> {
         body: impl AsyncFnOnce(&mut DB::Connection) -> Result<End<T>, Failure>,
         report: impl FnOnce(&T),
     ) -> Result<(T, Option<sqlx::Transaction<'c, DB>>), Failure> {
-        let faults = &self.inner.faults;
+        let faults = self.inner.faults.get();
         let end = match body(&mut *tx).await {
             Ok(end) => end,
             Err(failure) => {
@@ -153,7 +153,9 @@ impl<DB: Backend> Engine<DB> {
                 (value, user_writes, check, idem_wrote)
             }
         };
-        faults.reached(FaultPoint::BeforeCommit);
+        if let Some(faults) = faults {
+            faults.reached(FaultPoint::BeforeCommit);
+        }
         let ended = if check {
             DB::commit_intact(tx, idem_wrote).await
         } else {
@@ -166,7 +168,9 @@ impl<DB: Backend> Engine<DB> {
             IntactCommit::CommitFailed(error) => return Err(commit_failed(error, user_writes)),
         };
         report(&value);
-        faults.reached(FaultPoint::AfterCommit);
+        if let Some(faults) = faults {
+            faults.reached(FaultPoint::AfterCommit);
+        }
         Ok((value, next))
     }
 }
