@@ -13,8 +13,7 @@ use crate::{DbArgs, with_pool};
 
 /// `idem stats`.
 pub async fn stats(args: &DbArgs, json: bool) -> anyhow::Result<ExitCode> {
-    let tables = db::tables(args)?;
-    let db = Db::open(&args.database_url, 1).await?;
+    let (db, tables) = Db::open_with(args, "processed_events").await?;
     let stats = with_pool!(&db, pool => idem::store::stats(pool, &tables, None).await?);
     print_stats(&stats, json)?;
     Ok(ExitCode::SUCCESS)
@@ -77,8 +76,7 @@ pub async fn list_dead_letters(
     limit: i64,
     json: bool,
 ) -> anyhow::Result<ExitCode> {
-    let tables = db::tables(args)?;
-    let db = Db::open(&args.database_url, 1).await?;
+    let (db, tables) = Db::open_with(args, "dead_letters").await?;
     let letters = dead_letters(&db, &tables, group, matching, limit).await?;
     if json {
         println!("{}", serde_json::to_string(&letters)?);
@@ -162,8 +160,7 @@ pub async fn replay_dead_letters(
         bail!("name the dead letters to replay (ids from `idem dead-letters list`), or pass --all or --matching TEXT");
     }
     let all = all || (ids.is_empty() && matching.is_some());
-    let tables = db::tables(args)?;
-    let db = Db::open(&args.database_url, 1).await?;
+    let (db, tables) = Db::open_with(args, "dead_letters").await?;
     let letters: Vec<DeadLetter> = dead_letters(&db, &tables, group, matching, i64::MAX)
         .await?
         .into_iter()
@@ -267,8 +264,7 @@ pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -
     if pruning.batch_size == 0 {
         anyhow::bail!("--batch-size 0: use at least 1 (default 10000)");
     }
-    let tables = db::tables(args)?;
-    let db = Db::open(&args.database_url, 1).await?;
+    let (db, tables) = Db::open_with(args, "processed_events").await?;
     if let Db::Postgres(pool) = &db
         && let Some(period) = idem::store::partitions::stored_period(pool, &tables).await?
     {

@@ -80,6 +80,22 @@ impl Db {
         }
     }
 
+    /// Opens the existing database of `args` and checks that idem's table `table` is there (asked of the catalog),
+    /// so that a command run against the wrong database or prefix says so instead of failing on its first query.
+    pub async fn open_with(args: &DbArgs, table: &str) -> anyhow::Result<(Db, Tables)> {
+        let tables = tables(args)?;
+        let db = Db::open(&args.database_url, 1).await?;
+        let exists = crate::with_pool!(&db, pool => idem::Operations::table_exists(pool, &tables, table).await?);
+        if !exists {
+            bail!(
+                "{} is not in this database: run `idem migrate` with the same --database-url, or pass the \
+                 --table-prefix (and --schema) the consumers were configured with",
+                tables.table(table)
+            );
+        }
+        Ok((db, tables))
+    }
+
     /// Runs SQL statements (no results).
     pub async fn execute(&self, sql: &str) -> anyhow::Result<()> {
         crate::with_pool!(self, pool => sqlx::raw_sql(sql).execute(pool).await.map(drop)?);

@@ -193,7 +193,9 @@ fn hint(error: &anyhow::Error) -> Option<&'static str> {
         _ => cause.downcast_ref::<sqlx::Error>(),
     })?;
     let db = database.as_database_error()?;
-    let missing_table = db.code().as_deref() == Some("42P01") || db.message().starts_with("no such table");
+    // By code: PostgreSQL's undefined_table, MySQL's 42S02 (1146). SQLite has no code of its own for it: the
+    // commands ask the catalog before their first query (`Db::open_with`).
+    let missing_table = matches!(db.code().as_deref(), Some("42P01" | "42S02"));
     missing_table.then_some(
         "idem's tables are not in this database under these names: run `idem migrate` with the same \
          --database-url, or pass the --table-prefix (and --schema) the consumers were configured with",

@@ -249,8 +249,7 @@ async fn rabbitmq_producer(_: &str) -> anyhow::Result<Publish<idem::embedded::Lo
 pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
     match command {
         OutboxCommand::List { db, limit, json } => {
-            let tables = db::tables(&db)?;
-            let pool = Db::open(&db.database_url, 1).await?;
+            let (pool, tables) = Db::open_with(&db, "outbox").await?;
             let messages = with_pool!(&pool, pool => idem::outbox::list(pool, &tables, limit).await?);
             if json {
                 let rows: Vec<serde_json::Value> = messages
@@ -284,8 +283,7 @@ pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
             }
         }
         OutboxCommand::Stats { db, json } => {
-            let tables = db::tables(&db)?;
-            let pool = Db::open(&db.database_url, 1).await?;
+            let (pool, tables) = Db::open_with(&db, "outbox").await?;
             let stats = with_pool!(&pool, pool => idem::outbox::stats(pool, &tables).await?);
             if json {
                 println!("{}", serde_json::to_string(&stats)?);
@@ -300,8 +298,7 @@ pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
                     "name the dead letters to requeue (ids from `idem dead-letters list --group outbox:<relay>`) or pass --all"
                 );
             }
-            let tables = db::tables(&db)?;
-            let pool = Db::open(&db.database_url, 1).await?;
+            let (pool, tables) = Db::open_with(&db, "outbox").await?;
             let group = relay.map(|r| format!("outbox:{r}"));
             let letters = with_pool!(&pool, pool => idem::store::Operations::dead_letters(pool, &tables, group.as_deref(), i64::MAX).await?);
             let chosen: Vec<i64> = letters
