@@ -60,7 +60,7 @@ impl<DB: Backend> Engine<DB> {
         let limits = Limits::for_batch(self.inner.config.batch_size);
         let lanes = &self.inner.lanes;
         lanes.reset();
-        let _stalls = AbortOnDrop(tokio::spawn(self.clone().watch_stalls(Arc::clone(&source))));
+        let stalls = AbortOnDrop(tokio::spawn(self.clone().watch_stalls(Arc::clone(&source))));
         let mut workers: HashMap<Partition, Worker> = HashMap::new();
         let mut source_failures = 0u32;
         let stop_reason: Result<(), Error> = 'poll: loop {
@@ -144,6 +144,9 @@ impl<DB: Backend> Engine<DB> {
         while let Ok(error) = fatal_rx.try_recv() {
             first_error.get_or_insert(error);
         }
+        // The stall watch holds the source: it is gone before `run` returns, so the source's partitions are free
+        // for the next consumer (the embedded log's partition locks go with the source).
+        stalls.stop().await;
         self.inner.running.store(false, Ordering::SeqCst);
         // Every worker has ended: the transactions they left open for a next batch are rolled back.
         self.inner.warm.clear().await;
@@ -299,6 +302,14 @@ impl Drop for PanicGuard {
 
 /// Aborts a background task when dropped, so it ends with the engine run that started it.
 struct AbortOnDrop(JoinHandle<()>);
+
+impl AbortOnDrop {
+    /// Aborts the task and waits until it is gone, with everything it held.
+    async fn stop(mut self) {
+        self.0.abort();
+        let _ = (&mut self.0).await;
+    }
+}
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
