@@ -54,8 +54,8 @@ pub trait ServiceDb: GuardStore + OutboxStore {
     ) -> Running;
 }
 
-/// The methods whose text is the same for both databases, only their connection and pool types differing.
-macro_rules! same_for_both {
+/// The methods whose text is the same for every database, only their connection and pool types differing.
+macro_rules! same_for_every_store {
     ($conn:ty, $pool:ty) => {
         async fn emit(
             conn: &mut $conn,
@@ -76,11 +76,30 @@ macro_rules! same_for_both {
     };
 }
 
+/// The query of `sql` with each placeholder bound to its parameter's value, a null typed as its parameter
+/// (PostgreSQL and MySQL check a null's type; SQLite binds an untyped null).
+macro_rules! typed_binds {
+    ($sql:expr, $params:expr, $values:expr) => {{
+        let mut query = sqlx::query(&$sql.text);
+        for &i in &$sql.binds {
+            query = match (&$values[i], $params[i].ty) {
+                (Value::Integer(v), _) => query.bind(*v),
+                (Value::Boolean(v), _) => query.bind(*v),
+                (Value::Text(v), _) => query.bind(v.as_str()),
+                (Value::Null, ParamType::Integer) => query.bind(None::<i64>),
+                (Value::Null, ParamType::Boolean) => query.bind(None::<bool>),
+                (Value::Null, _) => query.bind(None::<&str>),
+            };
+        }
+        query
+    }};
+}
+
 /// A consumer's run, started.
 pub type Running = Pin<Box<dyn Future<Output = Result<idem::StatsSnapshot, idem::Error>> + Send>>;
 
 impl ServiceDb for sqlx::Postgres {
-    same_for_both!(PgConnection, sqlx::PgPool);
+    same_for_every_store!(PgConnection, sqlx::PgPool);
 
     fn inbox<S: idem::Source + 'static>(
         engine: idem::Engine<Self>,
@@ -98,18 +117,7 @@ impl ServiceDb for sqlx::Postgres {
         params: &[Param],
         values: &[Value],
     ) -> Result<u64, sqlx::Error> {
-        let mut query = sqlx::query(&sql.text);
-        for &i in &sql.binds {
-            query = match (&values[i], params[i].ty) {
-                (Value::Integer(v), _) => query.bind(*v),
-                (Value::Boolean(v), _) => query.bind(*v),
-                (Value::Text(v), _) => query.bind(v.as_str()),
-                (Value::Null, ParamType::Integer) => query.bind(None::<i64>),
-                (Value::Null, ParamType::Boolean) => query.bind(None::<bool>),
-                (Value::Null, _) => query.bind(None::<&str>),
-            };
-        }
-        query.execute(conn).await.map(|done| done.rows_affected())
+        typed_binds!(sql, params, values).execute(conn).await.map(|done| done.rows_affected())
     }
 
     async fn run_bulk(
@@ -136,7 +144,7 @@ impl ServiceDb for sqlx::Postgres {
 }
 
 impl ServiceDb for sqlx::Sqlite {
-    same_for_both!(SqliteConnection, sqlx::SqlitePool);
+    same_for_every_store!(SqliteConnection, sqlx::SqlitePool);
 
     fn inbox<S: idem::Source + 'static>(
         _: idem::Engine<Self>,
@@ -178,7 +186,7 @@ impl ServiceDb for sqlx::Sqlite {
 }
 
 impl ServiceDb for sqlx::MySql {
-    same_for_both!(MySqlConnection, sqlx::MySqlPool);
+    same_for_every_store!(MySqlConnection, sqlx::MySqlPool);
 
     fn inbox<S: idem::Source + 'static>(
         _: idem::Engine<Self>,
@@ -197,18 +205,7 @@ impl ServiceDb for sqlx::MySql {
         params: &[Param],
         values: &[Value],
     ) -> Result<u64, sqlx::Error> {
-        let mut query = sqlx::query(&sql.text);
-        for &i in &sql.binds {
-            query = match (&values[i], params[i].ty) {
-                (Value::Integer(v), _) => query.bind(*v),
-                (Value::Boolean(v), _) => query.bind(*v),
-                (Value::Text(v), _) => query.bind(v.as_str()),
-                (Value::Null, ParamType::Integer) => query.bind(None::<i64>),
-                (Value::Null, ParamType::Boolean) => query.bind(None::<bool>),
-                (Value::Null, _) => query.bind(None::<&str>),
-            };
-        }
-        query.execute(conn).await.map(|done| done.rows_affected())
+        typed_binds!(sql, params, values).execute(conn).await.map(|done| done.rows_affected())
     }
 
     async fn run_bulk(_: &mut MySqlConnection, _: &Rendered, _: &[Param], _: &[Vec<Value>]) -> Result<(), sqlx::Error> {
