@@ -139,3 +139,22 @@ async fn the_partitioned_layout_is_refused_with_the_reason() {
     let err = engine.run(source, handler, std::future::pending::<()>()).await.unwrap_err();
     assert!(err.to_string().contains("partitioned markers need PostgreSQL"), "{err}");
 }
+
+/// idem's longest key (512 bytes) fits MySQL's marker and dead-letter keys: claimed once, its redelivery a
+/// duplicate, its failure a dead letter under its id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_longest_key_fits() {
+    let db = common::mysql().await;
+    setup(&db.pool).await;
+    let engine = Engine::new(db.pool.clone(), config(1)).unwrap();
+    let long = "k".repeat(idem::key::MAX_KEY_LEN);
+    let ledger = common::Ledger::default();
+    let first = engine.process(vec![payment(0, 0, &long, 5, "")], &ledger).await.unwrap();
+    let again = engine.process(vec![payment(0, 1, &long, 5, "")], &ledger).await.unwrap();
+    assert_eq!([first[0], again[0]], [Outcome::Processed, Outcome::Duplicate]);
+    let poison = "p".repeat(idem::key::MAX_KEY_LEN);
+    let dead = engine.process(vec![payment(0, 2, &poison, 5, r#""poison":true"#)], &ledger).await.unwrap();
+    assert_eq!(dead, [Outcome::DeadLettered]);
+    let stored = db.pool.scalar("SELECT MAX(CHAR_LENGTH(event_id)) FROM dead_letters").await;
+    assert_eq!(stored, idem::key::MAX_KEY_LEN as i64);
+}

@@ -4,7 +4,7 @@
 CREATE TABLE IF NOT EXISTS {t}dead_letters (
     id               BIGINT       NOT NULL AUTO_INCREMENT PRIMARY KEY,
     consumer_group   VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
-    event_id         VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin,
+    event_id         VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin,
     topic            VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
     `partition`      INT          NOT NULL,
     `offset`         BIGINT       NOT NULL,

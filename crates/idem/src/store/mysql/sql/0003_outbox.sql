@@ -3,7 +3,7 @@
 -- key is relayed by one relay at a time, in id order.
 CREATE TABLE IF NOT EXISTS {t}outbox (
     id           BIGINT       NOT NULL AUTO_INCREMENT PRIMARY KEY,
-    event_id     VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+    event_id     VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
     destination  VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
     `key`        LONGBLOB,
     payload      LONGBLOB     NOT NULL,
