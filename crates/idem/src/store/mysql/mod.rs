@@ -45,8 +45,8 @@ static MIGRATIONS: [Migration; 3] = [
     Migration { version: 3, name: "outbox", sql: include_str!("sql/0003_outbox.sql") },
 ];
 
-/// The oldest servers this store is written for: MySQL 8.0 and MariaDB 10.6 (`FOR UPDATE` on a multi-row
-/// read, generated columns in a unique key, `SKIP LOCKED`).
+/// The oldest servers this store is written for and tested against: MySQL 8.0 and MariaDB 10.6 (recursive
+/// common table expressions, generated columns in a unique key, `RELEASE_ALL_LOCKS`).
 const MYSQL_MIN: (u32, u32) = (8, 0);
 const MARIADB_MIN: (u32, u32) = (10, 6);
 
