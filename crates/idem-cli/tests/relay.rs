@@ -229,7 +229,7 @@ async fn a_broker_away_for_a_while_delays_the_relay_and_loses_nothing() {
     let config = RelayConfig {
         batch_size: 10,
         poll_interval: Duration::from_millis(50),
-        backoff: (Duration::from_millis(20), Duration::from_millis(300)),
+        backoff: idem::Backoff::new(Duration::from_millis(20), Duration::from_millis(300)),
         ..RelayConfig::default()
     };
     let producer = idem::nats::NatsProducer::connect(&server.url()).await.unwrap();

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::backoff::Backoff;
 use crate::error::Error;
 use crate::key::KeyExtractor;
 use crate::store::Tables;
@@ -20,10 +21,9 @@ pub struct Config {
     /// Database outages are retried without limit (the dead-letter write would fail as well). Default 10
     /// (about 16 s of backoff with the default delays, so lock contention passes before anything is dead-lettered).
     pub max_attempts: u32,
-    /// First retry delay; doubles with each attempt. Default 50 ms.
-    pub backoff_initial: Duration,
-    /// Longest retry delay. Default 5 s.
-    pub backoff_max: Duration,
+    /// Delays between attempts, after a database outage and after a source failure: doubling from 50 ms up to
+    /// 5 s by default.
+    pub backoff: Backoff,
     /// Table names (schema and prefix).
     pub tables: Tables,
     /// How markers are pruned.
@@ -169,8 +169,7 @@ impl Config {
             key,
             batch_size: 100,
             max_attempts: 10,
-            backoff_initial: Duration::from_millis(50),
-            backoff_max: Duration::from_secs(5),
+            backoff: Backoff::new(Duration::from_millis(50), Duration::from_secs(5)),
             tables: Tables::default(),
             pruning: Pruning::default(),
             stats_interval: Duration::from_secs(60),
@@ -223,8 +222,7 @@ impl Config {
 
     /// Sets the retry delays.
     pub fn backoff(mut self, initial: Duration, max: Duration) -> Self {
-        self.backoff_initial = initial;
-        self.backoff_max = max;
+        self.backoff = Backoff::new(initial, max);
         self
     }
 
@@ -265,12 +263,7 @@ impl Config {
         if self.max_attempts == 0 {
             return Err(Error::Config("max_attempts = 0: use at least 1".into()));
         }
-        if self.backoff_initial.is_zero() || self.backoff_initial > self.backoff_max {
-            return Err(Error::Config(format!(
-                "backoff: initial {:?} must be above zero and at most the maximum {:?}",
-                self.backoff_initial, self.backoff_max
-            )));
-        }
+        self.backoff.validate("backoff")?;
         if self.pruning.retention.is_some_and(|r| r < Duration::from_secs(60)) {
             return Err(Error::Config(
                 "pruning.retention is under a minute: keep markers longer than the broker can redeliver (e.g. 8 days)"
@@ -307,12 +300,6 @@ impl Config {
             }
         }
         Ok(())
-    }
-
-    /// The delay before retry number `attempt` (1-based): doubling from the initial delay, capped.
-    pub(crate) fn backoff_for(&self, attempt: u32) -> Duration {
-        let factor = 1u32.checked_shl(attempt.saturating_sub(1).min(20)).unwrap_or(u32::MAX);
-        self.backoff_initial.saturating_mul(factor).min(self.backoff_max)
     }
 }
 
@@ -370,15 +357,5 @@ mod tests {
         config().partitioned(PartitionPeriod::Month, 24 * hour).validate().unwrap();
         assert!(config().partitioned(PartitionPeriod::Month, 28 * 24 * hour).validate().is_err());
         assert!(config().partitioned(PartitionPeriod::Day, Duration::ZERO).validate().is_err());
-    }
-
-    #[test]
-    fn backoff_doubles_and_caps() {
-        let c = config().backoff(Duration::from_millis(10), Duration::from_millis(50));
-        assert_eq!(c.backoff_for(1), Duration::from_millis(10));
-        assert_eq!(c.backoff_for(2), Duration::from_millis(20));
-        assert_eq!(c.backoff_for(3), Duration::from_millis(40));
-        assert_eq!(c.backoff_for(4), Duration::from_millis(50));
-        assert_eq!(c.backoff_for(400), Duration::from_millis(50));
     }
 }

@@ -74,10 +74,12 @@
 //!   and retention guards.
 #![warn(missing_docs)]
 
+pub mod backoff;
+mod brokers;
 pub mod config;
 pub mod dead_letter;
 pub mod duration;
-pub mod embedded;
+pub use brokers::embedded;
 pub mod engine;
 pub mod error;
 pub mod fault;
@@ -88,28 +90,29 @@ pub mod handler;
 pub mod http;
 pub mod inbox;
 #[cfg(feature = "kafka")]
-pub mod kafka;
+pub use brokers::kafka;
 pub mod key;
 pub mod kill_switch;
 pub mod message;
 #[cfg(feature = "nats")]
-pub mod nats;
+pub use brokers::nats;
 #[cfg(feature = "otel")]
 pub mod otel;
 pub mod outbox;
 mod propagation;
 pub mod prune;
 #[cfg(feature = "rabbitmq")]
-pub mod rabbitmq;
+pub use brokers::rabbitmq;
 pub mod retention;
 pub mod source;
 #[cfg(feature = "sqs")]
-pub mod sqs;
+pub use brokers::sqs;
 pub mod store;
 pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use backoff::Backoff;
 pub use config::{Config, Dedup, IdReusePolicy, MarkerLayout, PartitionPeriod, Partitioning, Pruning};
 pub use engine::{Committed, Engine, Health, Outcome, Stalled, StatsSnapshot};
 pub use error::{Error, HandlerError, Retry};

@@ -43,6 +43,11 @@
 //! `reset` function has put your tables back to their initial state; idem's tables need to be migrated
 //! beforehand. A clean run that dead-letters every event fails (it would prove nothing); one that dead-letters
 //! some is noted.
+//!
+//! For a source's own crate, [`conformance`] is the source conformance suite: what a broker's consumer and
+//! producer must do for the guarantee to hold.
+
+pub mod conformance;
 
 use std::fmt::{self, Debug, Write as _};
 

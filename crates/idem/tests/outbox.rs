@@ -25,7 +25,7 @@ fn quick(name: &str) -> RelayConfig {
         name: name.into(),
         batch_size: 50,
         poll_interval: Duration::from_millis(50),
-        backoff: (Duration::from_millis(5), Duration::from_millis(40)),
+        backoff: idem::Backoff::new(Duration::from_millis(5), Duration::from_millis(40)),
         ..RelayConfig::default()
     }
 }

@@ -10,13 +10,14 @@ use tracing::Instrument;
 use super::Engine;
 use super::apply::Apply;
 use super::outcome::Outcome;
-use super::retry::{GaveUp, Located, One, Retrying, Shutdown, Subject, retry};
+use super::retry::{Located, Retrying, Shutdown, Subject, retry};
 use super::transaction::Failure;
+use crate::config::Dedup;
 use crate::error::{Error, HandlerError};
 use crate::key::MissingKey;
 use crate::kill_switch::Verdict;
 use crate::message::{Event, Message};
-use crate::store::Backend;
+use crate::store::{Backend, NewDeadLetter};
 
 /// An unsequenced unit of work: a message with its key, or a message that has none.
 pub(crate) enum Item {
@@ -38,14 +39,6 @@ pub(super) struct Isolate {
     at: Option<usize>,
     reason: String,
     attempts: u32,
-}
-
-/// How one retried transaction over part of a batch ended.
-pub(super) enum Attempted {
-    /// It committed: each message's outcome, and when the transaction began (for the kill switch).
-    Committed { outcomes: Vec<Outcome>, began: Instant },
-    /// It failed for good: a message to isolate.
-    Isolate(Isolate),
 }
 
 /// Work left in a batch, in order.
@@ -146,23 +139,23 @@ impl<DB: Backend> Engine<DB> {
                         .attempt(&items[range.clone()], apply, shutdown)
                         .await?
                     {
-                        Attempted::Committed { outcomes: done, began } => {
+                        Ok((done, began)) => {
                             if done.iter().any(|o| self.handler_committed(*o)) {
                                 self.inner.breaker.succeeded(began);
                             }
                             outcomes.extend(done)
                         }
-                        Attempted::Isolate(Isolate { at: Some(at), reason, attempts }) => {
+                        Err(Isolate { at: Some(at), reason, attempts }) => {
                             // Commit what precedes the failing message, dead-letter it, then go on after it.
                             let index = range.start + at;
                             steps.push_front(Step::Range(index + 1..range.end));
                             steps.push_front(Step::DeadLetter { index, reason, attempts });
                             steps.push_front(Step::Range(range.start..index));
                         }
-                        Attempted::Isolate(Isolate { at: None, reason, attempts }) if range.len() == 1 => {
+                        Err(Isolate { at: None, reason, attempts }) if range.len() == 1 => {
                             steps.push_front(Step::DeadLetter { index: range.start, reason, attempts });
                         }
-                        Attempted::Isolate(Isolate { at: None, .. }) => {
+                        Err(Isolate { at: None, .. }) => {
                             // The failure cannot be pinned on one message: one message per transaction finds it.
                             for index in range.rev() {
                                 steps.push_front(Step::Range(index..index + 1));
@@ -213,13 +206,14 @@ impl<DB: Backend> Engine<DB> {
         Ok(self)
     }
 
-    /// Runs one transaction over `items`, retrying what a retry can fix.
+    /// Runs one transaction over `items`, retrying what a retry can fix: each message's outcome and when the
+    /// committed transaction began (for the kill switch), or the failure to isolate.
     pub(super) async fn attempt<A: Apply<DB>>(
         &self,
         items: &[Item],
         apply: &A,
         shutdown: &Shutdown,
-    ) -> Result<Attempted, Error> {
+    ) -> Result<Result<(Vec<Outcome>, Instant), Isolate>, Error> {
         let config = &self.inner.config;
         let retrying = Retrying {
             group: &config.group,
@@ -239,14 +233,11 @@ impl<DB: Backend> Engine<DB> {
         let result = retry(config, shutdown, &retrying, || {
             async {
                 let started = Instant::now();
-                match self.transaction(items, apply).await {
-                    Ok(outcomes) => Ok((outcomes, started)),
-                    Err(failure) => Err(failure.into_failed()),
-                }
+                self.transaction(items, apply).await.map(|outcomes| (outcomes, started))
             }
             .instrument(batch.clone())
         })
-        .await?;
+        .await;
         match result {
             Ok((outcomes, started)) => {
                 let topic = items.first().map_or("", |i| i.message().topic.as_str());
@@ -254,21 +245,21 @@ impl<DB: Backend> Engine<DB> {
                     "topic" => topic.to_owned())
                 .record(started.elapsed().as_secs_f64());
                 self.log_outcomes(items, &outcomes, started);
-                Ok(Attempted::Committed { outcomes, began: started })
+                Ok(Ok((outcomes, started)))
             }
-            Err(GaveUp::Exhausted { attempts, reason, at }) => Ok(Attempted::Isolate(Isolate { at, reason, attempts })),
-            Err(GaveUp::Final { attempts, failure }) => match failure {
+            Err((attempts, failure)) => match failure {
                 Failure::Handler { error: HandlerError::TransactionAborted(reason), .. } => {
                     // Not this message's fault: the batch is re-run one message per transaction.
-                    Ok(Attempted::Isolate(Isolate { at: None, reason, attempts }))
+                    Ok(Err(Isolate { at: None, reason, attempts }))
                 }
-                Failure::Handler { at, error } => {
-                    Ok(Attempted::Isolate(Isolate { at, reason: error.reason().to_owned(), attempts }))
+                Failure::Handler { at, error } => Ok(Err(Isolate { at, reason: error.reason().to_owned(), attempts })),
+                Failure::Ended => {
+                    let reason = HandlerError::ended_transaction().reason().to_owned();
+                    Ok(Err(Isolate { at: None, reason, attempts }))
                 }
                 Failure::Database(error) => Err(error.into()),
-                // `Stopped`: the consumer stops. `Again` and `Ended` are never final: `into_failed` retries the
-                // one and turns the other into a handler failure.
-                Failure::Again | Failure::Ended | Failure::Stopped => Err(Error::Stopped),
+                // `Stopped`: the consumer stops. `Again` is never final: the retry loop runs it again.
+                Failure::Again | Failure::Stopped => Err(Error::Stopped),
             },
         }
     }
@@ -282,24 +273,23 @@ impl<DB: Backend> Engine<DB> {
         shutdown: &Shutdown,
     ) -> Result<Outcome, Error> {
         let config = &self.inner.config;
-        let subject = One { event_id: key_of(item), message: item.message() };
-        let retrying = Retrying { group: &config.group, what: "the dead letter", subject: &subject, on_retry: &|| {} };
-        let result = retry(config, shutdown, &retrying, || async {
-            self.dead_letter_once(item, reason, attempts).await.map_err(Failure::into_failed)
-        })
-        .await?;
-        match result {
-            Ok(outcome) => {
-                let m = item.message();
-                if outcome == Outcome::DeadLettered {
-                    tracing::warn!(consumer_group = %config.group, topic = %m.topic, partition = m.partition,
-                        offset = m.offset, event_id = key_of(item).unwrap_or(""), reason,
-                        outcome = outcome.as_str(), "dead-lettered");
-                }
-                Ok(outcome)
-            }
-            Err(GaveUp::Final { failure: Failure::Database(error), .. }) => Err(error.into()),
-            Err(_) => Err(Error::Stopped),
+        let claim = match item {
+            Item::Keyed(event) if config.dedup == Dedup::Markers => Some(event),
+            _ => None,
+        };
+        let m = item.message();
+        let letter = NewDeadLetter {
+            event_id: key_of(item),
+            message: m,
+            error: reason,
+            attempts: i32::try_from(attempts).unwrap_or(i32::MAX),
+        };
+        let outcome = self.write_dead_letter(claim, &letter, shutdown, |o| self.committed(&m.topic, &[*o])).await?;
+        if outcome == Outcome::DeadLettered {
+            tracing::warn!(consumer_group = %config.group, topic = %m.topic, partition = m.partition,
+                offset = m.offset, event_id = key_of(item).unwrap_or(""), reason,
+                outcome = outcome.as_str(), "dead-lettered");
         }
+        Ok(outcome)
     }
 }

@@ -38,7 +38,7 @@ use apply::{Marked, PerBatch, PerBatchRef, PerMessage};
 pub(crate) use apply::{PerMessageRef, Process};
 pub use flow::Stalled;
 pub use outcome::{Committed, Health, Outcome, Stats, StatsSnapshot};
-pub(crate) use retry::{Failed, GaveUp, One, Retrying, Shutdown, retry};
+pub(crate) use retry::{One, Retrying, Shutdown, retry};
 pub(crate) use transaction::{End, Failure, check_intact, commit_failed};
 
 type CommitObserver = Arc<dyn Fn(&Committed) + Send + Sync>;

@@ -1,5 +1,5 @@
 //! The one retry loop: an attempt is run again while a retry can help (a retryable handler error, up to
-//! `max_attempts`; a database outage, without limit), with doubling backoff capped at `backoff_max`, and stops
+//! `max_attempts`; a database outage, without limit), with the consumer's doubling [`crate::Backoff`], and stops
 //! at once when the consumer is told to stop, even in the middle of a backoff sleep.
 
 use std::future::Future;
@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use super::transaction::Failure;
 use crate::config::Config;
-use crate::error::Error;
+use crate::error::{Error, HandlerError, Retry, classify};
 
 /// Tells a consumer's workers to stop: they finish the transaction in hand, abandon any retry (unacknowledged,
 /// so the work is delivered again) and wake from any backoff sleep. Cheap to clone; clones share the state.
@@ -46,40 +47,6 @@ impl Shutdown {
             _ = tokio::time::sleep(delay) => Ok(()),
         }
     }
-}
-
-/// Why an attempt did not succeed, as the retry loop sees it.
-pub(crate) enum Failed<E> {
-    /// A retry may help (a retryable handler error): counted against `max_attempts`. `at`: the item of the
-    /// attempt at fault, when known.
-    Retryable { reason: String, at: Option<usize> },
-    /// The database is away or briefly refusing (a transient error of idem's own statements): retried without
-    /// limit, never counted against the message.
-    Outage(String),
-    /// The state the attempt read changed under it: run again at once, uncounted.
-    Again,
-    /// A retry cannot help.
-    Final(E),
-}
-
-/// How a retried operation ended when it did not succeed.
-pub(crate) enum GaveUp<E> {
-    /// Retryable failures until `max_attempts`.
-    Exhausted {
-        /// The attempts made.
-        attempts: u32,
-        /// The reason, saying that attempts ran out.
-        reason: String,
-        /// The item at fault in the last attempt, when known.
-        at: Option<usize>,
-    },
-    /// A failure no retry can help, after `attempts` attempts.
-    Final {
-        /// The attempts made.
-        attempts: u32,
-        /// The failure.
-        failure: E,
-    },
 }
 
 /// What is retried, for the log lines and the `retried` counter.
@@ -135,32 +102,39 @@ impl Subject for () {
     }
 }
 
-/// Runs `attempt` until it succeeds, gives up, or the consumer stops (`Err(Error::Stopped)`).
-pub(crate) async fn retry<T, E, F>(
+/// Runs `attempt` until it succeeds, a retry cannot help, or the consumer stops. What each [`Failure`] gets:
+///
+/// * a retryable handler error: retried up to `max_attempts`, then returned as the handler's permanent failure,
+///   "gave up after N attempts: …";
+/// * a transient error of idem's own statements (an outage): retried without limit, never counted against the
+///   message;
+/// * `Again` (the state the attempt read changed under it): run again at once, uncounted;
+/// * anything else: returned as it is, with the attempts made. A stop, before or during a backoff sleep, returns
+///   `Failure::Stopped`.
+pub(crate) async fn retry<T, F>(
     config: &Config,
     shutdown: &Shutdown,
     retrying: &Retrying<'_>,
     mut attempt: impl FnMut() -> F,
-) -> Result<Result<T, GaveUp<E>>, Error>
+) -> Result<T, (u32, Failure)>
 where
-    F: Future<Output = Result<T, Failed<E>>>,
+    F: Future<Output = Result<T, Failure>>,
 {
     let (mut attempts, mut outages) = (0u32, 0u32);
     loop {
         attempts += 1;
         let delay = match attempt().await {
-            Ok(value) => return Ok(Ok(value)),
-            Err(Failed::Final(failure)) => return Ok(Err(GaveUp::Final { attempts, failure })),
-            Err(Failed::Again) => {
+            Ok(value) => return Ok(value),
+            Err(Failure::Again) => {
                 attempts -= 1;
-                config.backoff_for(1)
+                config.backoff.after(1)
             }
-            Err(Failed::Retryable { reason, at }) => {
+            Err(Failure::Handler { at, error: HandlerError::Retryable(reason) }) => {
                 if attempts >= config.max_attempts {
                     let reason = format!("gave up after {attempts} attempts: {reason}");
-                    return Ok(Err(GaveUp::Exhausted { attempts, reason, at }));
+                    return Err((attempts, Failure::Handler { at, error: HandlerError::Permanent(reason) }));
                 }
-                let delay = config.backoff_for(attempts);
+                let delay = config.backoff.after(attempts);
                 let (at, messages) = retrying.subject.locate(at);
                 tracing::warn!(
                     consumer_group = retrying.group,
@@ -178,10 +152,10 @@ where
                 );
                 delay
             }
-            Err(Failed::Outage(reason)) => {
+            Err(Failure::Database(error)) if classify(&error) == Retry::Helps => {
                 attempts -= 1;
                 outages += 1;
-                let delay = config.backoff_for(outages);
+                let delay = config.backoff.after(outages);
                 let (at, messages) = retrying.subject.locate(None);
                 tracing::warn!(
                     consumer_group = retrying.group,
@@ -190,7 +164,7 @@ where
                     partition = at.partition,
                     offset = at.offset,
                     messages,
-                    error = reason,
+                    %error,
                     ?delay,
                     outages,
                     "database unavailable; retrying {}",
@@ -198,12 +172,15 @@ where
                 );
                 delay
             }
+            Err(failure) => return Err((attempts, failure)),
         };
         if shutdown.triggered() {
-            return Err(Error::Stopped);
+            return Err((attempts, Failure::Stopped));
         }
         (retrying.on_retry)();
-        shutdown.sleep(delay).await?;
+        if shutdown.sleep(delay).await.is_err() {
+            return Err((attempts, Failure::Stopped));
+        }
     }
 }
 
@@ -228,9 +205,9 @@ mod tests {
             stopper.trigger();
         });
         let started = Instant::now();
-        let result: Result<Result<(), GaveUp<()>>, Error> =
-            retry(&config(), &shutdown, &QUIET, || async { Err(Failed::Outage("away".into())) }).await;
-        assert!(matches!(result, Err(Error::Stopped)));
+        let result: Result<(), _> =
+            retry(&config(), &shutdown, &QUIET, || async { Err(Failure::Database(sqlx::Error::PoolTimedOut)) }).await;
+        assert!(matches!(result, Err((_, Failure::Stopped))));
         assert!(started.elapsed() < Duration::from_secs(2), "stopped during a 5 s backoff: {:?}", started.elapsed());
     }
 
@@ -238,21 +215,21 @@ mod tests {
     async fn retryable_failures_are_capped_and_outages_are_not() {
         let shutdown = Shutdown::default();
         let mut calls = 0;
-        let result: Result<Result<(), GaveUp<()>>, Error> = retry(&config(), &shutdown, &QUIET, || {
+        let result: Result<(), _> = retry(&config(), &shutdown, &QUIET, || {
             calls += 1;
             let calls = calls;
             async move {
                 // Two outages between the retryable failures: never counted against the message.
                 if calls % 2 == 0 {
-                    Err(Failed::Outage("away".into()))
+                    Err(Failure::Database(sqlx::Error::PoolTimedOut))
                 } else {
-                    Err(Failed::Retryable { reason: "flaky".into(), at: None })
+                    Err(Failure::Handler { at: None, error: HandlerError::retryable("flaky") })
                 }
             }
         })
         .await;
         match result {
-            Ok(Err(GaveUp::Exhausted { attempts, reason, .. })) => {
+            Err((attempts, Failure::Handler { error: HandlerError::Permanent(reason), .. })) => {
                 assert_eq!(attempts, 3);
                 assert!(reason.starts_with("gave up after 3 attempts"), "{reason}");
             }

@@ -17,6 +17,7 @@ use super::apply::Process;
 use super::flow::{Lane, Limits};
 use super::outcome::StatsSnapshot;
 use super::retry::Shutdown;
+use crate::backoff::sleep_unless_stopped;
 use crate::error::{Error, Retry};
 use crate::message::{AckHandle, Message};
 use crate::source::{Acknowledgement, Partition, Received, Source};
@@ -40,12 +41,11 @@ impl<DB: Backend> Engine<DB> {
                 Ok(()) => break,
                 Err(error) if error.retry() == Retry::Helps => {
                     outages += 1;
-                    let delay = self.inner.config.backoff_for(outages);
+                    let delay = self.inner.config.backoff.after(outages);
                     tracing::warn!(consumer_group = %self.inner.config.group, %error, ?delay, outages,
                         "database unavailable before consuming; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(delay) => {}
-                        _ = &mut shutdown => return Ok(self.stats()),
+                    if sleep_unless_stopped(delay, shutdown.as_mut()).await {
+                        return Ok(self.stats());
                     }
                 }
                 Err(error) => return Err(error),
@@ -117,16 +117,13 @@ impl<DB: Backend> Engine<DB> {
                     Ok(None) => break Ok(()),
                     Err(error) if error.retry() == Retry::Helps => {
                         source_failures += 1;
-                        let delay = self.inner.config.backoff_for(source_failures);
+                        let delay = self.inner.config.backoff.after(source_failures);
                         tracing::warn!(consumer_group = %self.inner.config.group, %error, ?delay, "source failed; retrying");
                         // A shutdown during the backoff stops at once.
-                        tokio::select! {
-                            _ = tokio::time::sleep(delay) => {}
-                            _ = &mut shutdown => {
-                                tracing::info!(consumer_group = %self.inner.config.group, "shutdown requested: draining in-flight batches");
-                                for worker in workers.values() { worker.stopping.trigger(); }
-                                break Ok(());
-                            }
+                        if sleep_unless_stopped(delay, shutdown.as_mut()).await {
+                            tracing::info!(consumer_group = %self.inner.config.group, "shutdown requested: draining in-flight batches");
+                            for worker in workers.values() { worker.stopping.trigger(); }
+                            break Ok(());
                         }
                     }
                     Err(error) => break Err(error.into()),

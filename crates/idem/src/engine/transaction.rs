@@ -12,16 +12,17 @@ use sqlx::pool::PoolConnection;
 
 use super::Engine;
 use super::apply::Apply;
-use super::batch::{Item, key_of};
+use super::batch::Item;
 use super::outcome::Outcome;
-use super::retry::Failed;
+use super::retry::{One, Retrying, Shutdown, retry};
 use crate::config::{Dedup, IdReusePolicy};
 use crate::error::{HandlerError, Retry, classify};
 use crate::fault::FaultPoint;
 use crate::message::{Event, Handled, Message};
 use crate::store::{Backend, Claim, IntactCommit, NewDeadLetter};
 
-/// Why one attempt at a transaction did not commit.
+/// Why one attempt at a transaction did not commit: what the retry loop ([`super::retry::retry`]) retries, or
+/// returns when a retry cannot help.
 pub(crate) enum Failure {
     /// The handler failed; `at` is the index of the item at fault when it is known.
     Handler { at: Option<usize>, error: HandlerError },
@@ -47,19 +48,6 @@ impl Failure {
     /// A handler's failure, its message not known.
     pub(crate) fn handler(error: HandlerError) -> Self {
         Failure::Handler { at: None, error }
-    }
-
-    /// What the retry loop does with it: a retryable handler error is retried up to `max_attempts`, a transient
-    /// database error without limit, `Again` at once; the rest is final.
-    pub(crate) fn into_failed(self) -> Failed<Failure> {
-        match self {
-            Failure::Handler { at, error: HandlerError::Retryable(reason) } => Failed::Retryable { reason, at },
-            Failure::Database(error) if classify(&error) == Retry::Helps => Failed::Outage(error.to_string()),
-            Failure::Again => Failed::Again,
-            Failure::Stopped => Failed::Final(Failure::Stopped),
-            Failure::Ended => Failed::Final(Failure::handler(HandlerError::ended_transaction())),
-            other => Failed::Final(other),
-        }
     }
 }
 
@@ -357,29 +345,46 @@ impl<DB: Backend> Engine<DB> {
         Ok(())
     }
 
-    /// One message's dead letter, in a transaction with its marker; `Duplicate` when someone else handled it.
-    pub(super) async fn dead_letter_once(&self, item: &Item, reason: &str, attempts: u32) -> Result<Outcome, Failure> {
+    /// One dead letter in a transaction of its own; with `claim`, together with that event's marker (`Duplicate`
+    /// when someone else handled it meanwhile, and nothing is written). `report` sees the outcome once committed.
+    async fn dead_letter_once(
+        &self,
+        claim: Option<&Event>,
+        letter: &NewDeadLetter<'_>,
+        report: impl FnOnce(&Outcome),
+    ) -> Result<Outcome, Failure> {
         let config = &self.inner.config;
         let mut conn = crate::store::connect::connection(&self.inner.pool).await?;
         let body = async |tx: &mut DB::Connection| {
-            if let Item::Keyed(event) = item
-                && config.dedup == Dedup::Markers
-            {
+            if let Some(event) = claim {
                 let claims = DB::claim(&mut *tx, &config.tables, &config.layout, &config.group, &[event]).await?;
                 if claims.first() != Some(&Claim::New) {
-                    // Another consumer handled it in the meantime: nothing to dead-letter.
                     return Ok(End::Rollback(Outcome::Duplicate));
                 }
             }
-            let letter = NewDeadLetter {
-                event_id: key_of(item),
-                message: item.message(),
-                error: reason,
-                attempts: i32::try_from(attempts).unwrap_or(i32::MAX),
-            };
-            DB::dead_letter(&mut *tx, &config.tables, &config.group, &letter).await?;
+            DB::dead_letter(&mut *tx, &config.tables, &config.group, letter).await?;
             Ok(End::Commit { value: Outcome::DeadLettered, user_writes: false, check_intact: false, idem_wrote: true })
         };
-        self.in_transaction(&mut conn, body, |outcome| self.committed(&item.message().topic, &[*outcome])).await
+        self.in_transaction(&mut conn, body, report).await
+    }
+
+    /// Writes a dead letter through the retry loop (see `dead_letter_once`): the one way the batch, the kill
+    /// switch's aftermath and the Sequential Inbox store a dead letter. A database error no retry helps stops the
+    /// consumer; so does a stop.
+    pub(crate) async fn write_dead_letter(
+        &self,
+        claim: Option<&Event>,
+        letter: &NewDeadLetter<'_>,
+        shutdown: &Shutdown,
+        report: impl Fn(&Outcome) + Sync,
+    ) -> Result<Outcome, crate::error::Error> {
+        let config = &self.inner.config;
+        let subject = One { event_id: letter.event_id, message: letter.message };
+        let retrying = Retrying { group: &config.group, what: "the dead letter", subject: &subject, on_retry: &|| {} };
+        match retry(config, shutdown, &retrying, || self.dead_letter_once(claim, letter, &report)).await {
+            Ok(outcome) => Ok(outcome),
+            Err((_, Failure::Database(error))) => Err(error.into()),
+            Err(_) => Err(crate::error::Error::Stopped),
+        }
     }
 }

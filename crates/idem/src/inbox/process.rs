@@ -11,13 +11,12 @@ use super::store::{self, Status, Waiting};
 use super::{InboxOutcome, InboxTransactions, QualifiedType, Route, Sequenced, SequentialInbox};
 pub(crate) use crate::engine::Failure;
 use crate::engine::{
-    End, Engine, Failed, GaveUp, One, Outcome, PerMessageRef, Process, Retrying, Shutdown, check_intact, commit_failed,
-    retry,
+    End, Engine, One, Outcome, PerMessageRef, Process, Retrying, Shutdown, check_intact, commit_failed, retry,
 };
 use crate::error::{Error, HandlerError};
 use crate::handler::Handler;
 use crate::message::{Event, Message};
-use crate::store::{NewDeadLetter, Store};
+use crate::store::NewDeadLetter;
 
 /// The inbox as a partition worker's processing step.
 pub(crate) struct InboxProcess<H> {
@@ -119,27 +118,22 @@ impl SequentialInbox {
             // Separate mode holds two connections per attempt: at most half the pool's attempts run at once, so
             // the claim transactions can never take every connection the handlers need.
             let _slot = match &self.separate_slots {
-                Some(slots) => Some(slots.acquire().await.map_err(|_| Failed::Final(Failure::Again))?),
+                Some(slots) => Some(slots.acquire().await.map_err(|_| Failure::Stopped)?),
                 None => None,
             };
-            self.attempt(sequenced, handler, shutdown).await.map_err(Failure::into_failed)
+            self.attempt(sequenced, handler, shutdown).await
         })
-        .await?;
+        .await;
         let (reason, attempts) = match result {
             Ok(outcome) => {
                 self.count_outcome(sequenced, outcome);
                 return Ok(outcome);
             }
-            Err(GaveUp::Exhausted { attempts, reason, .. }) => (reason, attempts),
-            Err(GaveUp::Final { attempts, failure: Failure::Handler { error, .. } }) => {
-                (error.reason().to_owned(), attempts)
-            }
-            Err(GaveUp::Final { failure: Failure::Database(error), .. }) => return Err(error.into()),
-            // `Stopped`: the consumer stops. `Again` and `Ended` are never final: `into_failed` retries the one
-            // and turns the other into a handler failure.
-            Err(GaveUp::Final { failure: Failure::Again | Failure::Ended | Failure::Stopped, .. }) => {
-                return Err(Error::Stopped);
-            }
+            Err((attempts, Failure::Handler { error, .. })) => (error.reason().to_owned(), attempts),
+            Err((attempts, Failure::Ended)) => (HandlerError::ended_transaction().reason().to_owned(), attempts),
+            Err((_, Failure::Database(error))) => return Err(error.into()),
+            // `Stopped`: the consumer stops. `Again` is never final: the retry loop runs it again.
+            Err((_, Failure::Again | Failure::Stopped)) => return Err(Error::Stopped),
         };
         // The claim was rolled back with the attempt: a resend of this message can claim it again.
         let m = &sequenced.event.message;
@@ -324,60 +318,44 @@ impl SequentialInbox {
         handler: &H,
         shutdown: &Shutdown,
     ) -> Result<Result<(), String>, Failure> {
-        /// Why a released message's attempts ended without success.
-        enum Released {
-            /// The message failed; only its own effects were rolled back.
-            Failed(String),
-            /// The releasing transaction cannot go on.
-            Fatal(Failure),
-        }
         let config = self.engine.config();
         let event = Event::new(waiting.idempotence_id.clone(), waiting.message.clone());
         let subject = One { event_id: Some(&waiting.idempotence_id), message: &waiting.message };
         let retrying =
             Retrying { group: &config.group, what: "the released message", subject: &subject, on_retry: &|| {} };
-        // Every attempt runs on the releasing transaction, one at a time.
+        // Every attempt runs on the releasing transaction, one at a time. An attempt's value is `Err` when the
+        // releasing transaction cannot go on (the retry loop must not run the savepoint again on it); its error
+        // is the message's own failure, retried when the handler says a retry can help.
         let tx = tokio::sync::Mutex::new(tx);
         let result = retry(config, shutdown, &retrying, || async {
             let handled = match self.config.transactions {
                 InboxTransactions::Shared => {
                     match self.handle_in_savepoint(&mut **tx.lock().await, &event, handler).await {
                         Ok(handled) => handled,
-                        Err(Failure::Ended) => {
-                            return Err(Failed::Final(Released::Fatal(Failure::handler(HandlerError::Permanent(
-                                format!(
-                                    "while releasing `{}` {}: {}",
-                                    waiting.message_type,
-                                    event.id,
-                                    HandlerError::ended_transaction().reason()
-                                ),
-                            )))));
-                        }
-                        Err(other) => return Err(Failed::Final(Released::Fatal(other))),
+                        Err(fatal) => return Ok(Err(fatal)),
                     }
                 }
                 InboxTransactions::Separate => match self.handle_separately(handler, &event).await {
                     Ok(()) => Ok(()),
                     Err(Failure::Handler { error, .. }) => Err(error),
-                    Err(other) => return Err(Failed::Final(Released::Fatal(other))),
+                    Err(fatal) => return Ok(Err(fatal)),
                 },
             };
-            match handled {
-                Ok(()) => Ok(()),
-                Err(HandlerError::Retryable(reason)) => Err(Failed::Retryable { reason, at: None }),
-                Err(HandlerError::Permanent(reason) | HandlerError::TransactionAborted(reason)) => {
-                    Err(Failed::Final(Released::Failed(reason)))
-                }
-            }
+            handled.map(Ok).map_err(Failure::handler)
         })
         .await;
         match result {
             Ok(Ok(())) => Ok(Ok(())),
-            Ok(Err(GaveUp::Exhausted { reason, .. } | GaveUp::Final { failure: Released::Failed(reason), .. })) => {
-                Ok(Err(reason))
-            }
-            Ok(Err(GaveUp::Final { failure: Released::Fatal(failure), .. })) => Err(failure),
-            Err(_stopped) => Err(Failure::Stopped),
+            Ok(Err(Failure::Ended)) => Err(Failure::handler(HandlerError::Permanent(format!(
+                "while releasing `{}` {}: {}",
+                waiting.message_type,
+                event.id,
+                HandlerError::ended_transaction().reason()
+            )))),
+            Ok(Err(fatal)) => Err(fatal),
+            // Its permanent failure, or its retryable one after `max_attempts`: only its effects were rolled back.
+            Err((_, Failure::Handler { error, .. })) => Ok(Err(error.reason().to_owned())),
+            Err((_, other)) => Err(other),
         }
     }
 
@@ -415,26 +393,9 @@ impl SequentialInbox {
         attempts: u32,
         shutdown: &Shutdown,
     ) -> Result<(), Error> {
-        let config = self.engine.config();
         let letter =
             NewDeadLetter { event_id, message, error: reason, attempts: i32::try_from(attempts).unwrap_or(i32::MAX) };
-        let subject = One { event_id, message };
-        let retrying = Retrying { group: &config.group, what: "the dead letter", subject: &subject, on_retry: &|| {} };
-        let store = async || -> Result<(), Failure> {
-            let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
-            let body = async |tx: &mut PgConnection| {
-                Postgres::dead_letter(tx, &config.tables, &config.group, &letter).await?;
-                Ok(End::Commit { value: (), user_writes: false, check_intact: false, idem_wrote: true })
-            };
-            self.engine.in_transaction(&mut conn, body, |_| {}).await
-        };
-        let result =
-            retry(config, shutdown, &retrying, || async { store().await.map_err(Failure::into_failed) }).await?;
-        match result {
-            Ok(()) => Ok(()),
-            Err(GaveUp::Final { failure: Failure::Database(error), .. }) => Err(error.into()),
-            Err(_) => Err(Error::Stopped),
-        }
+        self.engine.write_dead_letter(None, &letter, shutdown, |_| {}).await.map(|_| ())
     }
 
     fn count_outcome(&self, sequenced: &Sequenced, outcome: InboxOutcome) {

@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::settlement::{self, Settlement};
+use super::settlement::Settlement;
 use super::store::{OutboxStore, Wakeup};
 use super::{Delivery, OutboxMessage};
+use crate::backoff::Backoff;
 use crate::error::{Error, Retry, classify};
 use crate::store::Tables;
 
@@ -27,9 +28,8 @@ pub struct RelayConfig {
     /// How often an idle relay looks for work without a notification (PostgreSQL) or at all (SQLite). Default
     /// 1 s.
     pub poll_interval: Duration,
-    /// Backoff after a failed delivery: doubling from the first value, capped at the second. Default 100 ms to
-    /// 30 s.
-    pub backoff: (Duration, Duration),
+    /// Backoff after a failed delivery (per key) and after a database outage. Default 100 ms doubling to 30 s.
+    pub backoff: Backoff,
     /// Failed attempts after which a message becomes a dead letter even when its failures were transient. `None`
     /// (the default): retried until delivered, as a broker that is away for a while needs.
     pub max_attempts: Option<u32>,
@@ -45,7 +45,7 @@ impl Default for RelayConfig {
             name: "relay".into(),
             batch_size: 500,
             poll_interval: Duration::from_secs(1),
-            backoff: (Duration::from_millis(100), Duration::from_secs(30)),
+            backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(30)),
             max_attempts: None,
             lease: Duration::from_secs(15),
             stop_when_empty: false,
@@ -65,12 +65,7 @@ impl RelayConfig {
         if self.poll_interval.is_zero() {
             return Err(Error::Config("relay poll_interval is 0: use at least a few milliseconds".into()));
         }
-        if self.backoff.0.is_zero() || self.backoff.0 > self.backoff.1 {
-            return Err(Error::Config(format!(
-                "relay backoff {:?}..{:?}: the first must be above 0 and at most the cap",
-                self.backoff.0, self.backoff.1
-            )));
-        }
+        self.backoff.validate("relay backoff")?;
         if self.max_attempts == Some(0) {
             return Err(Error::Config("relay max_attempts 0 would dead-letter without trying: use 1 or more".into()));
         }
@@ -210,7 +205,7 @@ impl<DB: OutboxStore, D: Delivery> Relay<DB, D> {
                     // What was delivered and not yet deleted is delivered again, with the same event ids.
                     pipeline = Pipeline { held: std::mem::take(&mut pipeline.held), ..Pipeline::default() };
                     outage += 1;
-                    let wait = settlement::backoff(&self.config, outage);
+                    let wait = self.config.backoff.after(outage);
                     tracing::warn!(relay = %self.config.name, %error, retry_in = ?wait,
                         "outbox relay: database unavailable; its slots go to other relays meanwhile");
                     wait

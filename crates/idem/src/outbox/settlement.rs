@@ -2,7 +2,7 @@
 //! that failed for good moved to the dead letters, all in one transaction.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::store::OutboxStore;
 use super::{Delivered, OutboxMessage, RelayConfig};
@@ -64,7 +64,7 @@ impl Settlement {
                     outbox_id = m.id, reason, "outbox message dead-lettered; requeue it with idem outbox requeue");
                 plan.dead.push((m.clone(), reason, attempts as i32));
             } else {
-                let wait = backoff(config, attempts);
+                let wait = config.backoff.after(attempts);
                 held.insert(m.slot, Instant::now() + wait);
                 tracing::warn!(relay = %config.name, event_id = %m.event_id, destination = %m.destination,
                     outbox_id = m.id, attempts, reason = %error.reason, retry_in = ?wait,
@@ -123,12 +123,6 @@ impl Settlement {
             dead_lettered: self.dead.len() as u64,
         })
     }
-}
-
-/// The backoff after `attempts` failed attempts: doubling from the first value, capped.
-pub(super) fn backoff(config: &RelayConfig, attempts: u32) -> Duration {
-    let (first, cap) = config.backoff;
-    first.saturating_mul(1u32 << attempts.saturating_sub(1).min(20)).min(cap)
 }
 
 fn count(destination: &str, outcome: &'static str) {

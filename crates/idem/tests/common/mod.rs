@@ -16,7 +16,7 @@ pub fn pg_server() -> String {
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
-fn unique_name(kind: &str) -> String {
+pub fn unique_name(kind: &str) -> String {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
     format!("idem_{kind}_{}_{}_{nanos}", std::process::id(), COUNTER.fetch_add(1, Ordering::SeqCst))
 }

@@ -11,6 +11,7 @@ use aws_sdk_sqs::types::{
 };
 
 use super::{MESSAGE_ID_HEADER, QueueInfo, RECEIVE_COUNT_HEADER, SQS_QUEUE, SqsConfig, describe, visibility_guard};
+use crate::backoff::Backoff;
 use crate::error::Error;
 use crate::key::KeyExtractor;
 use crate::message::{AckHandle, Message};
@@ -23,6 +24,8 @@ const PER_REQUEST: usize = 10;
 const END_POLL: Duration = Duration::from_secs(1);
 /// Attempts at deleting a batch's messages before leaving them to reappear (and be absorbed as duplicates).
 const DELETE_ATTEMPTS: u32 = 4;
+/// The pause between the attempts of one delete request.
+const DELETE_BACKOFF: Backoff = Backoff::new(Duration::from_millis(400), Duration::from_secs(2));
 
 /// A message received and not yet deleted: its receipt handle and until when it is invisible.
 struct Held {
@@ -364,7 +367,7 @@ impl Source for SqsSource {
                 attempt += 1;
                 match self.delete(chunk).await {
                     Err(error) if attempt < DELETE_ATTEMPTS && error.retry() == crate::Retry::Helps => {
-                        tokio::time::sleep(Duration::from_millis(100 << (2 * attempt))).await;
+                        tokio::time::sleep(DELETE_BACKOFF.after(attempt)).await;
                     }
                     other => break other,
                 }
