@@ -1,0 +1,276 @@
+//! The `idem` command line: its arguments, and the dispatch of each subcommand to one function of
+//! [`crate::commands`], [`crate::demo`] or [`crate::service`].
+//!
+//! It lives in the library, not in the binary, so that the command's whole async call graph is compiled once,
+//! here, in parallel codegen units: an `async fn` is compiled in the crate that polls it, and a binary that polled
+//! the library's futures would compile them all again, alone, at the end of the build.
+
+use std::process::ExitCode;
+
+use crate::{DbArgs, commands, demo, embedded_log, inbox, migrations, outbox, service};
+use clap::{Parser, Subcommand};
+
+/// Exactly-once effects over at-least-once message delivery.
+#[derive(Parser)]
+#[command(name = "idem", version, about, long_about = None)]
+struct Cli {
+    /// Log level: error, warn, info, debug or trace.
+    #[arg(long, global = true, env = "IDEM_LOG", default_value = "warn")]
+    log: String,
+    /// Log format: `text` (human-readable) or `json` (one object per line).
+    #[arg(long, global = true, env = "IDEM_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create or upgrade idem's tables (processed_events, dead_letters, the outbox and, on PostgreSQL, the Sequential
+    /// Inbox's); safe to run twice and concurrently. `idem migrate info` lists applied and pending migrations with
+    /// their checksums; `--print-sql` prints the SQL for your own migration tool instead of applying it.
+    Migrate {
+        /// `info`: list every migration with its state (applied, pending, changed, unknown) and checksums.
+        #[arg(value_enum)]
+        action: Option<migrations::MigrateAction>,
+        #[command(flatten)]
+        db: DbArgs,
+        /// Print the migrations as one SQL script (with their ledger rows) for Flyway, Liquibase or sqlx-cli,
+        /// without connecting; the dialect follows --database-url's scheme. `--print-sql=N` prints only those
+        /// after version N (the last one applied, after an upgrade of idem).
+        #[arg(long, conflicts_with = "action", num_args = 0..=1, default_missing_value = "0", value_name = "AFTER")]
+        print_sql: Option<i32>,
+        /// With `info`: one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run the consumers declared in a configuration file (effects as SQL, no code) until SIGINT or SIGTERM.
+    Run(service::RunArgs),
+    /// Check a configuration file without consuming: keys, parameters, and (against the database) every
+    /// statement and guard; each problem with its line and the fix.
+    Check(service::CheckArgs),
+    /// Run the payments-ledger demo: produce events with duplicates, consume them while killing the consumer,
+    /// and check the ledger to the cent.
+    Demo(demo::DemoArgs),
+    /// Hidden: one consumer process of the demo.
+    #[command(hide = true)]
+    DemoWorker(demo::WorkerArgs),
+    /// Hidden: recreate the demo's tables.
+    #[command(hide = true)]
+    DemoPrepare {
+        /// The database.
+        #[arg(long)]
+        database_url: String,
+    },
+    /// Hidden: write the demo's events into an embedded log (or a Kafka topic) and print the plan as JSON.
+    #[command(hide = true)]
+    DemoProduce(demo::ProduceArgs),
+    /// Show marker rows, the oldest marker's age and dead letters, per consumer group.
+    Stats {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List or replay dead-lettered messages.
+    #[command(subcommand)]
+    DeadLetters(DeadLetterCommand),
+    /// Delete markers older than the retention, in bounded batches (one pass); --dry-run only counts them.
+    Prune {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Keep markers this long: e.g. 8d, 36h, 1h30m, or ISO 8601 (P8D, PT36H). Keep it above how long the broker
+        /// can redeliver; below one hour is refused without --force.
+        #[arg(long)]
+        retention: String,
+        /// Accept a retention below one hour.
+        #[arg(long)]
+        force: bool,
+        /// Only this consumer group's markers (default: every group's).
+        #[arg(long)]
+        group: Option<String>,
+        /// Rows per DELETE statement.
+        #[arg(long, default_value_t = 10_000)]
+        batch_size: u32,
+        /// Pause between statements, in milliseconds.
+        #[arg(long, default_value_t = 200)]
+        pause_ms: u64,
+        /// Count what would be deleted, delete nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Partitioned layout: partitions to create ahead of the current one.
+        #[arg(long, default_value_t = 7)]
+        create_ahead: u32,
+    },
+    /// The marker table's layout: show it, or convert between plain and partitioned (PostgreSQL).
+    #[command(subcommand)]
+    Markers(MarkersCommand),
+    /// The Sequential Inbox: list, show, close or release sequence instances (PostgreSQL).
+    #[command(subcommand)]
+    Inbox(inbox::InboxCommand),
+    /// The embedded log: inspect it, move a consumer group past a damaged record, set a damaged tail aside.
+    #[command(subcommand)]
+    Log(embedded_log::LogCommand),
+    /// Deliver the outbox's committed messages to a broker, in order per key, until stopped (SIGINT/SIGTERM).
+    /// Run several: they share the work.
+    Relay(outbox::RelayArgs),
+    /// The outbox: list or count what waits, requeue dead-lettered messages.
+    #[command(subcommand)]
+    Outbox(outbox::OutboxCommand),
+}
+
+#[derive(Subcommand)]
+enum MarkersCommand {
+    /// Show the layout and, when partitioned, the partitions with their marker counts.
+    Layout {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Convert the marker table, keeping every marker, in one transaction. Stop the consumers first.
+    Convert {
+        #[command(flatten)]
+        db: DbArgs,
+        /// `partitioned` (range partitions by --period, dropped whole by pruning) or `plain`.
+        #[arg(long, value_parser = ["partitioned", "plain"])]
+        to: String,
+        /// Partition span: `day` or `month` (with --to partitioned).
+        #[arg(long, default_value = "day", value_parser = ["day", "month"])]
+        period: String,
+        /// Partitions to create ahead of the current one.
+        #[arg(long, default_value_t = 7)]
+        create_ahead: u32,
+    },
+}
+
+#[derive(Subcommand)]
+enum DeadLetterCommand {
+    /// List dead letters, oldest first.
+    List {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Only this consumer group.
+        #[arg(long)]
+        group: Option<String>,
+        /// Only those whose reason contains this text.
+        #[arg(long)]
+        matching: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// Print one JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Replay dead letters: remove marker and row together and publish the stored message again.
+    Replay {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Where to publish: each message goes back to the topic, subject or queue it came from.
+        #[command(flatten)]
+        to: commands::BrokerFlags,
+        /// Dead-letter ids to replay (see `list`).
+        ids: Vec<i64>,
+        /// Replay every dead letter (of --group, if given).
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+        /// Only this consumer group (with --all).
+        #[arg(long)]
+        group: Option<String>,
+        /// Every dead letter whose reason contains this text (of --group, if given): the messages of a storm that
+        /// tripped the kill switch, for example.
+        #[arg(long)]
+        matching: Option<String>,
+    },
+}
+
+/// What to do about an error whose fix the message alone does not say.
+fn hint(error: &anyhow::Error) -> Option<&'static str> {
+    let database = error.chain().find_map(|cause| match cause.downcast_ref::<idem::Error>() {
+        Some(idem::Error::Database(e)) => Some(e),
+        _ => cause.downcast_ref::<sqlx::Error>(),
+    })?;
+    let db = database.as_database_error()?;
+    // By code: PostgreSQL's undefined_table, MySQL's 42S02 (1146). SQLite has no code of its own for it: the
+    // commands ask the catalog before their first query (`Db::open_with`).
+    let missing_table = matches!(db.code().as_deref(), Some("42P01" | "42S02"));
+    missing_table.then_some(
+        "idem's tables are not in this database under these names: run `idem migrate` with the same \
+         --database-url, or pass the --table-prefix (and --schema) the consumers were configured with",
+    )
+}
+
+/// Parses the command line, runs the command and returns the process's exit code.
+pub fn main() -> ExitCode {
+    // Output piped into `head` ends quietly, as other Unix tools do, instead of panicking on EPIPE.
+    // SAFETY: setting a signal disposition to its default before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+    let cli = Cli::parse();
+    let level = match cli.log.parse::<tracing::Level>() {
+        Ok(level) => level,
+        Err(_) => {
+            eprintln!("error: --log `{}` is not a level: use error, warn, info, debug or trace", cli.log);
+            return ExitCode::from(2);
+        }
+    };
+    let tracing = match crate::logging::init(level, cli.log_format == "json") {
+        Ok(tracing) => tracing,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let code = crate::run_to_exit(
+        async {
+            match cli.command {
+                Command::Migrate { action, db, print_sql, json } => {
+                    migrations::migrate(&db, action, print_sql, json).await
+                }
+                Command::Run(args) => service::run(args).await,
+                Command::Check(args) => service::check(args).await,
+                Command::Demo(args) => demo::run(args).await,
+                Command::DemoWorker(args) => demo::worker(args).await,
+                Command::DemoPrepare { database_url } => demo::prepare_only(&database_url).await,
+                Command::DemoProduce(args) => demo::produce(args).await,
+                Command::Stats { db, json } => commands::stats(&db, json).await,
+                Command::Prune { db, retention, force, group, batch_size, pause_ms, dry_run, json, create_ahead } => {
+                    let pruning = idem::Pruning {
+                        batch_size,
+                        pause: std::time::Duration::from_millis(pause_ms),
+                        ..idem::Pruning::default()
+                    };
+                    let options =
+                        commands::PruneOptions { group: group.as_deref(), pruning, dry_run, json, create_ahead, force };
+                    commands::prune(&db, &retention, &options).await
+                }
+                Command::Inbox(command) => inbox::run(command).await,
+                Command::Log(command) => embedded_log::run(command).await,
+                Command::Relay(args) => outbox::relay(args).await,
+                Command::Outbox(command) => outbox::command(command).await,
+                Command::Markers(MarkersCommand::Layout { db, json }) => commands::markers_layout(&db, json).await,
+                Command::Markers(MarkersCommand::Convert { db, to, period, create_ahead }) => {
+                    let period = (to == "partitioned").then_some(period);
+                    commands::markers_convert(&db, period.as_deref(), create_ahead).await
+                }
+                Command::DeadLetters(DeadLetterCommand::List { db, group, matching, limit, json }) => {
+                    commands::list_dead_letters(&db, group.as_deref(), matching.as_deref(), limit, json).await
+                }
+                Command::DeadLetters(DeadLetterCommand::Replay { db, to, ids, all, group, matching }) => {
+                    let target = to.target()?;
+                    commands::replay_dead_letters(&db, &target, &ids, all, group.as_deref(), matching.as_deref()).await
+                }
+            }
+        },
+        hint,
+    );
+    tracing.shutdown();
+    code
+}
