@@ -3,6 +3,8 @@
 # Kafka: the cluster at $IDEM_KAFKA_BROKERS, or scripts/kafka.sh starts a Kafka-compatible broker on 127.0.0.1:9092.
 # SQS: the server at $IDEM_SQS_ENDPOINT (`aws` for the standard AWS configuration's), or scripts/sqs.sh starts an
 # SQS-compatible server on 127.0.0.1:9324.
+# Google Pub/Sub: the emulator at $IDEM_PUBSUB_EMULATOR_HOST, or scripts/pubsub.sh starts Google's emulator on
+# 127.0.0.1:8681.
 # NATS JetStream: the server at $IDEM_NATS_URL, or 127.0.0.1:4222 (started if it is stopped); RabbitMQ: the server
 # at $IDEM_RABBITMQ_URL, or 127.0.0.1:5672 (started if it is stopped).
 # PostgreSQL must be installed (127.0.0.1:5432, trust auth for user postgres); it is started if it is stopped.
@@ -97,6 +99,9 @@ fi
 if [ -z "${IDEM_SQS_ENDPOINT:-}" ]; then
   scripts/sqs.sh up
 fi
+# Google Pub/Sub: the emulator at $IDEM_PUBSUB_EMULATOR_HOST, or the project's own instance on 127.0.0.1:8681
+# (scripts/pubsub.sh; Debian's google-cloud-cli-pubsub-emulator, installed if missing).
+scripts/pubsub.sh up
 # The property tests of the parsers of untrusted bytes run 1,024 cases each (PROPTEST_CASES raises it).
 PROPTEST_CASES="${PROPTEST_CASES:-1024}" cargo test --workspace --all-targets "$@"
 cargo test --workspace --doc

@@ -45,7 +45,8 @@
 //! * [`store`]: the database seam by capability ([`Store`], the hot path; [`Operations`], the tooling; the
 //!   partitioned layout in `store::partitions`, PostgreSQL only) with its PostgreSQL and SQLite modules.
 //! * [`source`]: the broker seam ([`Source`], [`Publisher`]) and its contract; [`embedded`]: the embedded log.
-//!   Brokers, each behind its feature: `kafka`, `nats` (NATS JetStream), `rabbitmq`, `sqs` (Amazon SQS).
+//!   Brokers, each behind its feature: `kafka`, `nats` (NATS JetStream), `rabbitmq`, `sqs` (Amazon SQS),
+//!   `pubsub` (Google Cloud Pub/Sub).
 //! * [`retention`]: the retention guard, markers against what a broker keeps, in each broker's words.
 //! * [`inbox`]: the Sequential Inbox (PostgreSQL): per-context ordering with buffering and a concurrent-safe claim.
 //! * [`gap`]: lost-event detection from producer sequence numbers.
@@ -72,6 +73,10 @@
 //! * `sqs` (feature `sqs`): the Amazon SQS source (standard and FIFO queues, deleted after commit, visibility
 //!   kept while in hand), the producer with `MessageDeduplicationId` and `MessageGroupId`, the visibility-timeout
 //!   and retention guards.
+//! * `pubsub` (feature `pubsub`): the Google Cloud Pub/Sub source (streaming pull, acknowledged after commit,
+//!   leases extended while in hand, ordering keys as keys, the dead-letter policy's last delivery kept), the
+//!   producer with the event id attribute and the ordering key, the retention guard; the emulator through
+//!   `PUBSUB_EMULATOR_HOST`.
 #![warn(missing_docs)]
 
 pub mod backoff;
@@ -101,6 +106,8 @@ pub mod otel;
 pub mod outbox;
 mod propagation;
 pub mod prune;
+#[cfg(feature = "pubsub")]
+pub use brokers::pubsub;
 #[cfg(feature = "rabbitmq")]
 pub use brokers::rabbitmq;
 pub mod retention;

@@ -10,6 +10,8 @@ pub mod embedded;
 pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "pubsub")]
+pub mod pubsub;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
 #[cfg(feature = "sqs")]

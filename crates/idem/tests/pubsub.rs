@@ -1,0 +1,214 @@
+//! Google Cloud Pub/Sub against Google's emulator (`IDEM_PUBSUB_EMULATOR_HOST`, default scripts/pubsub.sh's
+//! 127.0.0.1:8681): the lease extension that keeps a batch running several ack deadlines from being delivered
+//! twice (and its mutant without it), the delivery the subscription's dead-letter policy calls last kept as a
+//! dead letter without the handler, and the start-up refusals (a missing subscription, an unreachable endpoint,
+//! a subscription without ordering where order is required, a marker retention shorter than the subscription's,
+//! the `broker-id` key, no project).
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem::pubsub::{
+    MESSAGE_ID_HEADER, PubSubConfig, PubSubProducer, PubSubSource, SubscriptionOptions, create_subscription,
+    create_topic,
+};
+use idem::source::{Acknowledgement, Received};
+use idem::{Error, Source, SourceError};
+
+const PROJECT: &str = "idem-test";
+const DAY: Duration = Duration::from_secs(86_400);
+
+fn emulator() -> String {
+    std::env::var("IDEM_PUBSUB_EMULATOR_HOST").unwrap_or_else(|_| "127.0.0.1:8681".to_owned())
+}
+
+/// A topic and a subscription to it, named for this test.
+async fn topic(prefix: &str, options: &SubscriptionOptions) -> (String, String) {
+    let name = common::unique_name(prefix).replace('.', "-");
+    create_topic(Some(&emulator()), PROJECT, &name).await.expect("create topic (is scripts/pubsub.sh up?)");
+    let subscription = format!("{name}-sub");
+    create_subscription(Some(&emulator()), PROJECT, &name, &subscription, options).await.expect("subscription");
+    (name, subscription)
+}
+
+fn source_config(subscription: &str) -> PubSubConfig {
+    PubSubConfig {
+        project: Some(PROJECT.into()),
+        emulator_host: Some(emulator()),
+        stop_at_end: true,
+        ..PubSubConfig::new(subscription)
+    }
+}
+
+async fn publish(topic: &str, key: &str, payloads: &[&str]) {
+    let producer = PubSubProducer::connect(Some(PROJECT), Some(&emulator())).await.unwrap();
+    for payload in payloads {
+        producer.send(topic, Some(key), payload.as_bytes(), &[]).await.unwrap();
+    }
+}
+
+/// Deliveries per Pub/Sub message id.
+type Deliveries = Arc<Mutex<HashMap<String, usize>>>;
+
+/// A source that counts the deliveries of each Pub/Sub message.
+struct Counting {
+    inner: PubSubSource,
+    deliveries: Deliveries,
+}
+
+impl Source for Counting {
+    async fn recv(&self) -> Result<Option<Received>, SourceError> {
+        let received = self.inner.recv().await?;
+        if let Some(Received::Message(m)) = &received {
+            let id = String::from_utf8_lossy(m.header(MESSAGE_ID_HEADER).unwrap_or_default()).into_owned();
+            *self.deliveries.lock().unwrap().entry(id).or_default() += 1;
+        }
+        Ok(received)
+    }
+
+    async fn ack(&self, ack: &Acknowledgement) -> Result<(), SourceError> {
+        self.inner.ack(ack).await
+    }
+}
+
+/// Runs one message whose handler takes 25 s (two and a half ack deadlines of 10 s) and two quick ones through a
+/// source with `config`; returns the most deliveries of one message, and checks the ledger is exact either way.
+async fn slow_batch(prefix: &str, config: impl FnOnce(PubSubConfig) -> PubSubConfig) -> usize {
+    let db = common::pg().await;
+    common::setup(&db.pool).await;
+    let options = SubscriptionOptions { ordering: true, ack_deadline_seconds: 10, ..Default::default() };
+    let (name, subscription) = topic(prefix, &options).await;
+    publish(&name, "k", &[r#"{"id":"slow","amount":1,"sleep_ms":25000}"#, r#"{"id":"a","amount":2}"#]).await;
+    publish(&name, "k", &[r#"{"id":"b","amount":4}"#]).await;
+    let engine = idem::Engine::new(db.pool.clone(), common::config(10)).unwrap();
+    let source = PubSubSource::connect(&config(source_config(&subscription)), engine.config()).await.unwrap();
+    let deliveries = Deliveries::default();
+    let counting = Counting { inner: source, deliveries: Arc::clone(&deliveries) };
+    let stats = engine.run(counting, common::Ledger::default(), std::future::pending::<()>()).await.unwrap();
+    assert_eq!(stats.processed, 3, "{stats:?}");
+    assert_eq!(common::ledger_total(&db.pool).await, 7, "each payment applied once, whatever came twice");
+    assert_eq!(common::ledger_rows(&db.pool, "slow").await, 1);
+    deliveries.lock().unwrap().values().copied().max().unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_running_several_ack_deadlines_is_delivered_once() {
+    let most = slow_batch("lease", |c| c).await;
+    assert_eq!(most, 1, "the lease was extended while the batch ran: nothing was delivered twice");
+}
+
+/// The mutant: idem stops extending after 1 s, so the slow message's deadline passes mid-transaction and Pub/Sub
+/// delivers it again. The test above fails on such a source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_lease_extension_the_slow_batch_is_delivered_again() {
+    let most = slow_batch("nolease", |c| PubSubConfig {
+        max_lease: Duration::from_secs(1),
+        max_batch_time: Duration::from_secs(1),
+        ..c
+    })
+    .await;
+    assert!(most >= 2, "without the extension the slow message must come again; it came {most} time(s)");
+}
+
+/// A source that drops every delivery that is not the last the dead-letter policy allows, as a consumer crashing
+/// on the message would lose it.
+struct Crashing {
+    inner: PubSubSource,
+    dropped: Deliveries,
+}
+
+impl Source for Crashing {
+    async fn recv(&self) -> Result<Option<Received>, SourceError> {
+        loop {
+            match self.inner.recv().await? {
+                Some(Received::Message(m)) if m.dead_letter_reason.is_none() => {
+                    let id = String::from_utf8_lossy(m.header(MESSAGE_ID_HEADER).unwrap_or_default()).into_owned();
+                    *self.dropped.lock().unwrap().entry(id).or_default() += 1;
+                }
+                other => return Ok(other),
+            }
+        }
+    }
+
+    async fn ack(&self, ack: &Acknowledgement) -> Result<(), SourceError> {
+        self.inner.ack(ack).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_delivery_the_dead_letter_policy_calls_last_is_kept_without_the_handler() {
+    let db = common::pg().await;
+    common::setup(&db.pool).await;
+    let dead = common::unique_name("dlq").replace('.', "-");
+    create_topic(Some(&emulator()), PROJECT, &dead).await.unwrap();
+    let options = SubscriptionOptions {
+        ordering: false,
+        ack_deadline_seconds: 10,
+        dead_letter: Some((dead.clone(), 5)),
+        exactly_once: false,
+    };
+    let (name, subscription) = topic("policy", &options).await;
+    publish(&name, "", &[r#"{"id":"crasher","amount":7}"#]).await;
+    let engine = idem::Engine::new(db.pool.clone(), common::config(10).marker_retention(DAY * 8)).unwrap();
+
+    // The first four deliveries are lost the way a crashing consumer loses them: taken, never acknowledged
+    // (returned to Pub/Sub at once, which counts them as attempts).
+    let source = PubSubSource::connect(&source_config(&subscription), engine.config()).await.unwrap();
+    let crashing = Crashing { inner: source, dropped: Deliveries::default() };
+    let dropped = Arc::clone(&crashing.dropped);
+    let ledger = common::Ledger::default();
+    let stats = engine.run(crashing, ledger, std::future::pending::<()>()).await.unwrap();
+    assert_eq!(stats.dead_lettered, 1, "{stats:?}");
+    assert_eq!(dropped.lock().unwrap().values().sum::<usize>(), 4, "four deliveries before the last");
+    assert_eq!(common::ledger_rows(&db.pool, "crasher").await, 0, "the handler never applied the last delivery");
+    let (reason, attempts): (String, i32) =
+        sqlx::query_as("SELECT error, attempts FROM dead_letters WHERE event_id = 'crasher'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(reason.contains("max_delivery_attempts (5)") && reason.contains("replay"), "{reason}");
+    assert_eq!(attempts, 0, "the handler was not tried");
+}
+
+fn config_error(result: Result<PubSubSource, Error>) -> String {
+    match result {
+        Ok(_) => panic!("start-up was accepted"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_up_refuses_what_cannot_work_naming_the_cause_and_the_fix() {
+    let engine = common::config(10).marker_retention(DAY * 8);
+    let missing = config_error(PubSubSource::connect(&source_config("no-such-subscription"), &engine).await);
+    assert!(missing.contains("no-such-subscription") && missing.contains("does not exist"), "{missing}");
+
+    let (_, unordered) = topic("unordered", &SubscriptionOptions::default()).await;
+    let required = PubSubConfig { require_ordering: true, ..source_config(&unordered) };
+    let err = config_error(PubSubSource::connect(&required, &engine).await);
+    assert!(err.contains("message ordering") && err.contains("--enable-message-ordering"), "{err}");
+
+    // Pub/Sub keeps unacknowledged messages 7 days by default: markers kept 3 days are refused, 8 pass.
+    let short = config_error(
+        PubSubSource::connect(&source_config(&unordered), &common::config(10).marker_retention(DAY * 3)).await,
+    );
+    assert!(short.contains("retention guard") && short.contains(&unordered), "{short}");
+    PubSubSource::connect(&source_config(&unordered), &engine).await.unwrap();
+
+    let nowhere = PubSubConfig { emulator_host: Some("127.0.0.1:9".into()), ..source_config(&unordered) };
+    let err = config_error(PubSubSource::connect(&nowhere, &engine).await);
+    assert!(err.contains("127.0.0.1:9"), "{err}");
+
+    let by_position = idem::Config { key: idem::KeyExtractor::BrokerId, ..engine.clone() };
+    let err = config_error(PubSubSource::connect(&source_config(&unordered), &by_position).await);
+    assert!(err.contains("broker-id") && err.contains("header:pubsub-message-id"), "{err}");
+
+    let no_project = PubSubConfig { project: None, ..source_config(&unordered) };
+    if std::env::var_os("GOOGLE_CLOUD_PROJECT").is_none() {
+        let err = config_error(PubSubSource::connect(&no_project, &engine).await);
+        assert!(err.contains("GOOGLE_CLOUD_PROJECT"), "{err}");
+    }
+}
