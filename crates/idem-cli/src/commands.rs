@@ -108,27 +108,33 @@ pub enum BrokerTarget {
     Rabbitmq(String),
     /// Amazon SQS: an endpoint, or `aws`.
     Sqs(String),
+    /// Google Cloud Pub/Sub: the project (the emulator from `PUBSUB_EMULATOR_HOST`).
+    PubSub(String),
 }
 
 /// The command-line flags that name a [`BrokerTarget`]: exactly one of them.
 #[derive(clap::Args, Debug)]
 pub struct BrokerFlags {
     /// The embedded log (its directory).
-    #[arg(long, required_unless_present_any = ["kafka", "nats", "rabbitmq", "sqs"], conflicts_with_all = ["kafka", "nats", "rabbitmq", "sqs"])]
+    #[arg(long, required_unless_present_any = ["kafka", "nats", "rabbitmq", "sqs", "pubsub"], conflicts_with_all = ["kafka", "nats", "rabbitmq", "sqs", "pubsub"])]
     pub log_dir: Option<PathBuf>,
     /// Kafka brokers (host:port).
-    #[arg(long, conflicts_with_all = ["nats", "rabbitmq", "sqs"])]
+    #[arg(long, conflicts_with_all = ["nats", "rabbitmq", "sqs", "pubsub"])]
     pub kafka: Option<String>,
     /// A NATS JetStream server (nats://host:port).
-    #[arg(long, conflicts_with_all = ["rabbitmq", "sqs"])]
+    #[arg(long, conflicts_with_all = ["rabbitmq", "sqs", "pubsub"])]
     pub nats: Option<String>,
     /// A RabbitMQ server (amqp://user:password@host:port/vhost).
-    #[arg(long, conflicts_with = "sqs")]
+    #[arg(long, conflicts_with_all = ["sqs", "pubsub"])]
     pub rabbitmq: Option<String>,
     /// Amazon SQS: an SQS-compatible endpoint (http://host:port) or `aws` (the standard AWS configuration's);
     /// a message goes back to the queue it came from, in its message group.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "pubsub")]
     pub sqs: Option<String>,
+    /// Google Cloud Pub/Sub: the project (credentials from the standard Google configuration; the emulator from
+    /// PUBSUB_EMULATOR_HOST); a message goes back to the topic it came from, under its ordering key.
+    #[arg(long)]
+    pub pubsub: Option<String>,
 }
 
 impl BrokerFlags {
@@ -137,12 +143,15 @@ impl BrokerFlags {
         if let Some(endpoint) = self.sqs {
             return Ok(BrokerTarget::Sqs(endpoint));
         }
+        if let Some(project) = self.pubsub {
+            return Ok(BrokerTarget::PubSub(project));
+        }
         Ok(match (self.log_dir, self.kafka, self.nats, self.rabbitmq) {
             (_, Some(brokers), _, _) => BrokerTarget::Kafka(brokers),
             (_, None, Some(url), _) => BrokerTarget::Nats(url),
             (_, None, None, Some(url)) => BrokerTarget::Rabbitmq(url),
             (Some(dir), None, None, None) => BrokerTarget::Log(dir),
-            (None, None, None, None) => bail!("give --log-dir, --kafka, --nats, --rabbitmq or --sqs"),
+            (None, None, None, None) => bail!("give --log-dir, --kafka, --nats, --rabbitmq, --sqs or --pubsub"),
         })
     }
 }
@@ -186,6 +195,7 @@ pub async fn replay_dead_letters(
         BrokerTarget::Sqs(endpoint) => {
             replay_through(&db, &tables, &crate::sqs::producer(endpoint).await?.0, &letters).await?
         }
+        BrokerTarget::PubSub(project) => replay_pubsub(&db, &tables, project, &letters).await?,
     };
     println!("{replayed} dead letter(s) replayed");
     Ok(ExitCode::SUCCESS)
@@ -209,6 +219,16 @@ async fn replay_rabbitmq(db: &Db, tables: &Tables, url: &str, letters: &[DeadLet
 #[cfg(not(feature = "rabbitmq"))]
 async fn replay_rabbitmq(_: &Db, _: &Tables, _: &str, _: &[DeadLetter]) -> anyhow::Result<usize> {
     bail!("--rabbitmq: this idem is built without the `rabbitmq` feature")
+}
+
+#[cfg(feature = "pubsub")]
+async fn replay_pubsub(db: &Db, tables: &Tables, project: &str, letters: &[DeadLetter]) -> anyhow::Result<usize> {
+    replay_through(db, tables, &idem::pubsub::PubSubProducer::connect(Some(project), None).await?, letters).await
+}
+
+#[cfg(not(feature = "pubsub"))]
+async fn replay_pubsub(_: &Db, _: &Tables, _: &str, _: &[DeadLetter]) -> anyhow::Result<usize> {
+    bail!("--pubsub: this idem is built without the `pubsub` feature")
 }
 
 async fn replay_through<P: Publisher>(

@@ -88,21 +88,25 @@ pub enum OutboxCommand {
 #[derive(Args, Debug)]
 pub struct RelayTo {
     /// The embedded log (its directory).
-    #[arg(long, conflicts_with_all = ["kafka", "nats", "rabbitmq", "sqs"])]
+    #[arg(long, conflicts_with_all = ["kafka", "nats", "rabbitmq", "sqs", "pubsub"])]
     log_dir: Option<std::path::PathBuf>,
     /// Kafka brokers (host:port).
-    #[arg(long, conflicts_with_all = ["nats", "rabbitmq", "sqs"])]
+    #[arg(long, conflicts_with_all = ["nats", "rabbitmq", "sqs", "pubsub"])]
     kafka: Option<String>,
     /// A NATS JetStream server (nats://host:port).
-    #[arg(long, conflicts_with_all = ["rabbitmq", "sqs"])]
+    #[arg(long, conflicts_with_all = ["rabbitmq", "sqs", "pubsub"])]
     nats: Option<String>,
     /// A RabbitMQ server (amqp://user:password@host:port/vhost).
-    #[arg(long, conflicts_with = "sqs")]
+    #[arg(long, conflicts_with_all = ["sqs", "pubsub"])]
     rabbitmq: Option<String>,
     /// Amazon SQS: an SQS-compatible endpoint (http://host:port) or `aws`; a destination is a queue's name or
     /// URL, and a message's key its FIFO message group.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "pubsub")]
     sqs: Option<String>,
+    /// Google Cloud Pub/Sub: the project (the emulator from PUBSUB_EMULATOR_HOST); a destination is a topic's
+    /// id, and a message's key its ordering key.
+    #[arg(long)]
+    pubsub: Option<String>,
 }
 
 /// What a relay without a broker does with a destination that is not a URL: it stays in the outbox, its error
@@ -151,6 +155,7 @@ pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
         RelayTo { nats: Some(url), .. } => Some(BrokerTarget::Nats(url)),
         RelayTo { rabbitmq: Some(url), .. } => Some(BrokerTarget::Rabbitmq(url)),
         RelayTo { sqs: Some(endpoint), .. } => Some(BrokerTarget::Sqs(endpoint)),
+        RelayTo { pubsub: Some(project), .. } => Some(BrokerTarget::PubSub(project)),
         RelayTo { log_dir: Some(dir), .. } => Some(BrokerTarget::Log(dir)),
         _ => None,
     };
@@ -169,6 +174,10 @@ pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
         }
         Some(BrokerTarget::Sqs(endpoint)) => {
             let producer = HttpOr(http, crate::sqs::producer(&endpoint).await?);
+            with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
+        }
+        Some(BrokerTarget::PubSub(project)) => {
+            let producer = HttpOr(http, pubsub_producer(&project).await?);
             with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
         Some(BrokerTarget::Log(dir)) => {
@@ -233,6 +242,16 @@ async fn nats_producer(url: &str) -> anyhow::Result<idem::nats::NatsProducer> {
 #[cfg(not(feature = "nats"))]
 async fn nats_producer(_: &str) -> anyhow::Result<Publish<idem::embedded::LogProducer>> {
     bail!("--nats: this idem is built without the `nats` feature")
+}
+
+#[cfg(feature = "pubsub")]
+async fn pubsub_producer(project: &str) -> anyhow::Result<Publish<idem::pubsub::PubSubProducer>> {
+    Ok(Publish(idem::pubsub::PubSubProducer::connect(Some(project), None).await?))
+}
+
+#[cfg(not(feature = "pubsub"))]
+async fn pubsub_producer(_: &str) -> anyhow::Result<Publish<idem::embedded::LogProducer>> {
+    bail!("--pubsub: this idem is built without the `pubsub` feature")
 }
 
 #[cfg(feature = "rabbitmq")]

@@ -95,6 +95,8 @@ pub struct Consumer {
     pub rabbitmq: Option<RabbitSource>,
     /// Amazon SQS.
     pub sqs: Option<SqsSource>,
+    /// Google Cloud Pub/Sub.
+    pub pubsub: Option<PubSubSource>,
     /// The parameters the statements use, by name.
     #[serde(default)]
     pub params: BTreeMap<String, Spanned<ParamSpec>>,
@@ -180,6 +182,27 @@ pub struct SqsSource {
     pub partitions: Option<u32>,
     /// Receives after which a message is dead-lettered instead of handled again.
     pub max_receive_count: Option<u32>,
+}
+
+/// `[consumer.pubsub]`: credentials from the standard Google configuration, the emulator through
+/// `PUBSUB_EMULATOR_HOST` or `emulator_host`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PubSubSource {
+    /// The subscription: its id, or `projects/P/subscriptions/S`.
+    pub subscription: String,
+    /// The project, when not `GOOGLE_CLOUD_PROJECT`.
+    pub project: Option<Spanned<String>>,
+    /// The emulator (`127.0.0.1:8681`), when not `PUBSUB_EMULATOR_HOST`.
+    pub emulator_host: Option<Spanned<String>>,
+    /// Partitions the messages are spread over by ordering key; default 8.
+    pub partitions: Option<u32>,
+    /// The longest a batch may take (`10s`).
+    pub max_batch_time: Option<Spanned<String>>,
+    /// The longest idem extends a message's ack deadline while it holds it (`1h`).
+    pub max_lease: Option<Spanned<String>>,
+    /// Refuse a subscription without message ordering.
+    pub require_ordering: Option<bool>,
 }
 
 /// A parameter's declaration: `amount = { from = "json:/amount", type = "numeric" }`.

@@ -302,9 +302,33 @@ async fn start<DB: ServiceDb>(
             let source = idem::sqs::SqsSource::connect(&sqs, config).await?;
             Ok(launch(engine, consumer, source, handler, shutdown))
         }
+        #[cfg(feature = "pubsub")]
+        SourcePlan::PubSub {
+            subscription,
+            project,
+            emulator_host,
+            partitions,
+            max_batch_time,
+            max_lease,
+            require_ordering,
+        } => {
+            let pubsub = idem::pubsub::PubSubConfig {
+                project: project.clone(),
+                emulator_host: emulator_host.clone(),
+                partitions: *partitions,
+                max_batch_time: *max_batch_time,
+                max_lease: *max_lease,
+                require_ordering: *require_ordering,
+                stop_at_end: exit_at_end,
+                ..idem::pubsub::PubSubConfig::new(subscription.as_str())
+            };
+            let source = idem::pubsub::PubSubSource::connect(&pubsub, config).await?;
+            Ok(launch(engine, consumer, source, handler, shutdown))
+        }
         #[allow(unreachable_patterns)]
         _ => anyhow::bail!(
-            "this idem is built without the feature of this consumer's source (`nats`, `rabbitmq` or `sqs`): build \
+            "this idem is built without the feature of this consumer's source (`nats`, `rabbitmq`, `sqs` or \
+             `pubsub`): build \
              it with that feature, or choose another source"
         ),
     }

@@ -246,7 +246,7 @@ fn consumer_plan(
     }
     let source = source::plan(problems, line, c, &here);
     if key == Some(KeyExtractor::BrokerId)
-        && let Some(broker @ ("rabbitmq" | "sqs")) = source.as_ref().and_then(SourcePlan::unstable_offsets)
+        && let Some(broker @ ("rabbitmq" | "sqs" | "pubsub")) = source.as_ref().and_then(SourcePlan::unstable_offsets)
     {
         problems.at(
             &c.key,

@@ -1,4 +1,4 @@
-//! The consumer's source table: exactly one of embedded, kafka, nats, rabbitmq and sqs, its values checked.
+//! The consumer's source table: exactly one of embedded, kafka, nats, rabbitmq, sqs and pubsub, its values checked.
 
 use std::time::Duration;
 
@@ -26,6 +26,16 @@ pub enum SourcePlan {
         partitions: u32,
         max_receive_count: Option<u32>,
     },
+    /// Google Cloud Pub/Sub.
+    PubSub {
+        subscription: String,
+        project: Option<String>,
+        emulator_host: Option<String>,
+        partitions: u32,
+        max_batch_time: Duration,
+        max_lease: Duration,
+        require_ordering: bool,
+    },
 }
 
 impl SourcePlan {
@@ -34,6 +44,7 @@ impl SourcePlan {
         match self {
             SourcePlan::Rabbit { .. } => Some("rabbitmq"),
             SourcePlan::Sqs { .. } => Some("sqs"),
+            SourcePlan::PubSub { .. } => Some("pubsub"),
             _ => None,
         }
     }
@@ -46,13 +57,20 @@ pub(super) fn plan(
     c: &Consumer,
     here: &dyn Fn(&str) -> String,
 ) -> Option<SourcePlan> {
-    let declared = [c.embedded.is_some(), c.kafka.is_some(), c.nats.is_some(), c.rabbitmq.is_some(), c.sqs.is_some()];
+    let declared = [
+        c.embedded.is_some(),
+        c.kafka.is_some(),
+        c.nats.is_some(),
+        c.rabbitmq.is_some(),
+        c.sqs.is_some(),
+        c.pubsub.is_some(),
+    ];
     if declared.iter().filter(|d| **d).count() != 1 {
         problems.line(
             line,
             &here("source"),
             "declare exactly one source table: [consumer.embedded], \
-             [consumer.kafka], [consumer.nats], [consumer.rabbitmq] or [consumer.sqs]",
+             [consumer.kafka], [consumer.nats], [consumer.rabbitmq], [consumer.sqs] or [consumer.pubsub]",
         );
         return None;
     }
@@ -104,6 +122,38 @@ pub(super) fn plan(
             max_batch_time,
             partitions: q.partitions.unwrap_or(8),
             max_receive_count: q.max_receive_count,
+        });
+    }
+    if let Some(g) = &c.pubsub {
+        if g.subscription.trim().is_empty() {
+            problems.line(
+                line,
+                &here("pubsub.subscription"),
+                "name the subscription (its id or projects/P/subscriptions/S)",
+            );
+        }
+        let text = |problems: &mut Problems<'_>, value: &Option<toml::Spanned<String>>, what: &str| match value {
+            Some(v) => expanded(problems, v, &here(what)).map(Some),
+            None => Some(None),
+        };
+        let project = text(problems, &g.project, "pubsub.project")?;
+        let emulator_host = text(problems, &g.emulator_host, "pubsub.emulator_host")?;
+        let max_batch_time = match &g.max_batch_time {
+            Some(t) => duration(problems, t, &here("pubsub.max_batch_time"))?,
+            None => Duration::from_secs(10),
+        };
+        let max_lease = match &g.max_lease {
+            Some(t) => duration(problems, t, &here("pubsub.max_lease"))?,
+            None => Duration::from_secs(3600),
+        };
+        return Some(SourcePlan::PubSub {
+            subscription: g.subscription.clone(),
+            project,
+            emulator_host,
+            partitions: g.partitions.unwrap_or(8),
+            max_batch_time,
+            max_lease,
+            require_ordering: g.require_ordering.unwrap_or(false),
         });
     }
     let r = c.rabbitmq.as_ref()?;
