@@ -212,3 +212,118 @@ async fn start_up_refuses_what_cannot_work_naming_the_cause_and_the_fix() {
         assert!(err.contains("GOOGLE_CLOUD_PROJECT"), "{err}");
     }
 }
+
+/// An emulator of the test's own, on a free port.
+struct OwnEmulator {
+    port: u16,
+    child: std::process::Child,
+}
+
+impl OwnEmulator {
+    fn start(port: u16) -> OwnEmulator {
+        let launcher = std::process::Command::new("scripts/pubsub.sh")
+            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+            .arg("bin")
+            .output()
+            .expect("scripts/pubsub.sh bin");
+        let launcher = String::from_utf8_lossy(&launcher.stdout).trim().to_owned();
+        let child = std::process::Command::new(&launcher)
+            .args(["--host=127.0.0.1", &format!("--port={port}")])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start the emulator");
+        // Owned from here: dropped (killed and waited for) on every path, the panic below included.
+        let emulator = OwnEmulator { port, child };
+        for _ in 0..120 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return emulator;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        panic!("the emulator did not come up on port {port}");
+    }
+
+    fn host(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// SIGKILL: the emulator keeps everything in memory, so its topics, subscriptions and messages go with it.
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for OwnEmulator {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The emulator killed with SIGKILL mid-run and started again: the consumer does not stop, nothing it applied
+/// is applied again, and what is published after the restart is applied once. (The emulator keeps nothing across
+/// a restart, so the topic and subscription are made again, as an operator would.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_emulator_killed_and_restarted_mid_run_loses_the_consumer_nothing_and_doubles_nothing() {
+    let db = common::pg().await;
+    common::setup(&db.pool).await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut emulator = OwnEmulator::start(port);
+    let host = emulator.host();
+    let name = common::unique_name("restart").replace('.', "-");
+    let subscription = format!("{name}-sub");
+    let make = |host: String| {
+        let (name, subscription) = (name.clone(), subscription.clone());
+        async move {
+            create_topic(Some(&host), PROJECT, &name).await.expect("topic");
+            let options = SubscriptionOptions { ordering: true, ..Default::default() };
+            create_subscription(Some(&host), PROJECT, &name, &subscription, &options).await.expect("subscription");
+        }
+    };
+    let publish_range = |host: String, range: std::ops::Range<usize>| {
+        let name = name.clone();
+        async move {
+            let producer = PubSubProducer::connect(Some(PROJECT), Some(&host)).await.unwrap();
+            for i in range {
+                let payload = format!(r#"{{"id":"p{i}","amount":{}}}"#, i + 1);
+                producer.send(&name, Some(&format!("k{}", i % 4)), payload.as_bytes(), &[]).await.unwrap();
+            }
+        }
+    };
+    make(host.clone()).await;
+    publish_range(host.clone(), 0..50).await;
+
+    let engine = idem::Engine::new(db.pool.clone(), common::config(10).marker_retention(DAY * 8)).unwrap();
+    let config = PubSubConfig { emulator_host: Some(host.clone()), stop_at_end: false, ..source_config(&subscription) };
+    let source = PubSubSource::connect(&config, engine.config()).await.unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run =
+        tokio::spawn(
+            async move { engine.run(source, common::Ledger::default(), async move { drop(stopped.await) }).await },
+        );
+    let applied = |n: i64| {
+        let pool = db.pool.clone();
+        async move {
+            for _ in 0..240 {
+                if common::ledger_rows_total(&pool).await >= n {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            panic!("fewer than {n} payments applied after 120 s");
+        }
+    };
+    applied(50).await;
+
+    emulator.kill();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let restarted = OwnEmulator::start(port);
+    make(restarted.host()).await;
+    publish_range(restarted.host(), 50..80).await;
+    applied(80).await;
+    let _ = stop.send(());
+    let stats = tokio::time::timeout(Duration::from_secs(60), run).await.expect("the run ends").unwrap().unwrap();
+    assert_eq!(common::ledger_rows_total(&db.pool).await, 80, "{stats:?}");
+    assert_eq!(common::ledger_total(&db.pool).await, (1..=80).sum::<i64>(), "each payment applied once");
+}

@@ -221,6 +221,10 @@ pub async fn ledger_rows<P: TestPool>(pool: &P, id: &str) -> i64 {
     pool.scalar(&format!("SELECT COUNT(*) FROM ledger WHERE event_id = '{id}'")).await
 }
 
+pub async fn ledger_rows_total<P: TestPool>(pool: &P) -> i64 {
+    pool.scalar("SELECT COUNT(*) FROM ledger").await
+}
+
 pub async fn ledger_total<P: TestPool>(pool: &P) -> i64 {
     pool.scalar("SELECT CAST(COALESCE(SUM(amount), 0) AS BIGINT) FROM ledger").await
 }

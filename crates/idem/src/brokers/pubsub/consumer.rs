@@ -23,6 +23,8 @@ const IDLE_CHECK: Duration = Duration::from_millis(500);
 pub struct PubSubSource {
     /// The streaming pull; taken out when the source is dropped (see [`PubSubSource::drop`]).
     messages: tokio::sync::Mutex<Option<MessageStream>>,
+    /// How to open it again after it failed.
+    pull: Pull,
     /// The topic's id: what [`Message::topic`] carries, so a replayed dead letter goes back to it.
     topic: String,
     subscription: String,
@@ -102,19 +104,19 @@ impl PubSubSource {
             .build()
             .await
             .map_err(|e| Error::Connect { target: endpoint_name(emulator), reason: e.to_string() })?;
-        let mut subscribe = subscriber
-            .subscribe(path.clone())
-            .set_max_lease(config.max_lease)
+        let pull = Pull {
+            subscriber,
+            subscription: path.clone(),
+            max_lease: config.max_lease,
             // What a message not acknowledged when this process dies waits before it comes again.
-            .set_max_lease_extension(Duration::from_secs(subscription.ack_deadline_seconds.clamp(10, 600) as u64))
-            .set_shutdown_behavior(ShutdownBehavior::NackImmediately);
-        if let Some(n) = config.max_outstanding_messages {
-            subscribe = subscribe.set_max_outstanding_messages(n);
-        }
+            lease_extension: Duration::from_secs(subscription.ack_deadline_seconds.clamp(10, 600) as u64),
+            max_outstanding_messages: config.max_outstanding_messages,
+        };
         tracing::info!(subscription = %path, topic = %subscription.topic, ordering = subscription.enable_message_ordering,
             exactly_once = subscription.enable_exactly_once_delivery, ?max_delivery_attempts, "pubsub: consuming");
         Ok(PubSubSource {
-            messages: tokio::sync::Mutex::new(Some(subscribe.build())),
+            messages: tokio::sync::Mutex::new(Some(pull.open())),
+            pull,
             topic: short_name(&subscription.topic).to_owned(),
             subscription: path,
             partitions: config.partitions,
@@ -174,6 +176,31 @@ impl PubSubSource {
     }
 }
 
+/// The settings of the streaming pull, to open it again after it ended (the service or the emulator restarted,
+/// the subscription deleted and made again).
+struct Pull {
+    subscriber: Subscriber,
+    subscription: String,
+    max_lease: Duration,
+    lease_extension: Duration,
+    max_outstanding_messages: Option<i64>,
+}
+
+impl Pull {
+    fn open(&self) -> MessageStream {
+        let mut subscribe = self
+            .subscriber
+            .subscribe(self.subscription.clone())
+            .set_max_lease(self.max_lease)
+            .set_max_lease_extension(self.lease_extension)
+            .set_shutdown_behavior(ShutdownBehavior::NackImmediately);
+        if let Some(n) = self.max_outstanding_messages {
+            subscribe = subscribe.set_max_outstanding_messages(n);
+        }
+        subscribe.build()
+    }
+}
+
 /// The offset of the message with Pub/Sub id `id`: Pub/Sub has no positions, so the offset identifies the message
 /// instead, the same on every delivery (its numeric id, or 63 bits of its id's SHA-256).
 fn offset_of(id: &str) -> i64 {
@@ -218,8 +245,23 @@ impl Source for PubSubSource {
                     return Ok(Some(Received::Message(self.to_message(message, handler))));
                 }
                 // The client retries what may pass by itself; what reaches here did not pass.
-                Ok(Some(Err(error))) => return Err(SourceError::transient("pubsub streaming pull", error)),
-                Ok(None) => return Err(SourceError::permanent("pubsub streaming pull", "the stream ended")),
+                // The client retries what may pass by itself; what reaches here ended the stream. It is opened
+                // again, and the engine's backoff paces the attempts (a subscription that is gone may be made
+                // again; what this stream held comes again and is absorbed by the markers).
+                Ok(Some(Err(error))) => {
+                    *messages = self.pull.open();
+                    let fix = if error.status().is_some_and(|s| s.code == google_cloud_gax::error::rpc::Code::NotFound)
+                    {
+                        " (the subscription is gone: make it again, or stop this consumer)"
+                    } else {
+                        ""
+                    };
+                    return Err(SourceError::transient("pubsub streaming pull", format!("{error}{fix}")));
+                }
+                Ok(None) => {
+                    *messages = self.pull.open();
+                    return Err(SourceError::transient("pubsub streaming pull", "the stream ended; opened again"));
+                }
                 Err(_idle) => {
                     quiet += IDLE_CHECK;
                     if self.stop_at_end && quiet >= self.idle_end && self.in_hand.load(Ordering::SeqCst) == 0 {

@@ -22,6 +22,9 @@
 //! * **Dead-letter policy.** On a subscription with one, the delivery Pub/Sub calls its last
 //!   (`delivery_attempt == max_delivery_attempts`) becomes idem's dead letter without calling the handler (the
 //!   message that crashes the consumer every time ends in the database, not only on the dead-letter topic).
+//! * **Failures.** The client retries what may pass; a streaming pull that still fails or ends (the service
+//!   away, the emulator restarted, the subscription deleted) is opened again after the engine's backoff, and the
+//!   consumer goes on: what the old stream held comes again and is absorbed by the markers.
 //! * **Retention.** The subscription's `messageRetentionDuration` and the topic's retention, whichever is longer,
 //!   are checked against the marker retention at start-up ([`crate::retention`]).
 
