@@ -100,8 +100,12 @@ if [ -z "${IDEM_SQS_ENDPOINT:-}" ]; then
   scripts/sqs.sh up
 fi
 # Google Pub/Sub: the emulator at $IDEM_PUBSUB_EMULATOR_HOST, or the project's own instance on 127.0.0.1:8681
-# (scripts/pubsub.sh; Debian's google-cloud-cli-pubsub-emulator, installed if missing).
-scripts/pubsub.sh up
+# (scripts/pubsub.sh; Debian's google-cloud-cli-pubsub-emulator, installed if missing), started fresh and stopped
+# at the end: the emulator keeps a core busy for every streaming pull a stopped consumer closed.
+if [ -z "${IDEM_PUBSUB_EMULATOR_HOST:-}" ]; then
+  scripts/pubsub.sh reset
+  trap 'scripts/pubsub.sh down >/dev/null' EXIT
+fi
 # The property tests of the parsers of untrusted bytes run 1,024 cases each (PROPTEST_CASES raises it).
 PROPTEST_CASES="${PROPTEST_CASES:-1024}" cargo test --workspace --all-targets "$@"
 cargo test --workspace --doc
