@@ -97,7 +97,7 @@ impl PubSubSource {
             subscription.dead_letter_policy.as_ref().map(|p| p.max_delivery_attempts).filter(|n| *n > 0);
 
         let mut builder = Subscriber::builder();
-        if let Some((endpoint, credentials)) = target(emulator)? {
+        if let Some((endpoint, credentials)) = target(emulator) {
             builder = builder.with_endpoint(endpoint).with_credentials(credentials);
         }
         let subscriber = builder
@@ -244,7 +244,6 @@ impl Source for PubSubSource {
                 Ok(Some(Ok((message, handler)))) => {
                     return Ok(Some(Received::Message(self.to_message(message, handler))));
                 }
-                // The client retries what may pass by itself; what reaches here did not pass.
                 // The client retries what may pass by itself; what reaches here ended the stream. It is opened
                 // again, and the engine's backoff paces the attempts (a subscription that is gone may be made
                 // again; what this stream held comes again and is absorbed by the markers).
@@ -298,8 +297,8 @@ impl Source for PubSubSource {
 
 impl Drop for PubSubSource {
     /// Shuts the streaming pull down while it is still open: the client sends the acknowledgements it holds and
-    /// returns (nacks) every message still in hand, and only then is the stream closed. Closed first, the
-    /// emulator would keep those messages out of reach long after their deadline (see the README).
+    /// returns (nacks) every message still in hand, and only then is the stream closed, so nothing committed is
+    /// left unacknowledged. (The emulator still holds what a closed stream had: see the README.)
     fn drop(&mut self) {
         let Some(stream) = self.messages.get_mut().take() else { return };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };

@@ -196,20 +196,13 @@ const START_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// What the admin and data clients are built with: the emulator's endpoint without credentials, or the real
 /// service with the standard Google credentials (TLS through rustls with ring).
-pub(crate) fn target(
-    emulator: Option<&str>,
-) -> Result<Option<(String, google_cloud_auth::credentials::Credentials)>, Error> {
+pub(crate) fn target(emulator: Option<&str>) -> Option<(String, google_cloud_auth::credentials::Credentials)> {
     // Google's client leaves the TLS crypto provider to the program (its HTTP client is built even for the
     // emulator); an installed one is kept.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    match emulator {
-        Some(host) => {
-            let endpoint = if host.contains("://") { host.to_owned() } else { format!("http://{host}") };
-            let anonymous = google_cloud_auth::credentials::anonymous::Builder::new().build();
-            Ok(Some((endpoint, anonymous)))
-        }
-        None => Ok(None),
-    }
+    let host = emulator?;
+    let endpoint = if host.contains("://") { host.to_owned() } else { format!("http://{host}") };
+    Some((endpoint, google_cloud_auth::credentials::anonymous::Builder::new().build()))
 }
 
 /// Names the endpoint idem is talking to, for errors.
@@ -223,7 +216,7 @@ pub(crate) fn endpoint_name(emulator: Option<&str>) -> String {
 /// The subscription admin client for `emulator` (or the real service).
 pub(crate) async fn subscription_admin(emulator: Option<&str>) -> Result<SubscriptionAdmin, Error> {
     let mut builder = SubscriptionAdmin::builder();
-    if let Some((endpoint, credentials)) = target(emulator)? {
+    if let Some((endpoint, credentials)) = target(emulator) {
         builder = builder.with_endpoint(endpoint).with_credentials(credentials);
     }
     builder.build().await.map_err(|e| Error::Connect { target: endpoint_name(emulator), reason: e.to_string() })
@@ -232,7 +225,7 @@ pub(crate) async fn subscription_admin(emulator: Option<&str>) -> Result<Subscri
 /// The topic admin client for `emulator` (or the real service).
 pub(crate) async fn topic_admin(emulator: Option<&str>) -> Result<TopicAdmin, Error> {
     let mut builder = TopicAdmin::builder();
-    if let Some((endpoint, credentials)) = target(emulator)? {
+    if let Some((endpoint, credentials)) = target(emulator) {
         builder = builder.with_endpoint(endpoint).with_credentials(credentials);
     }
     builder.build().await.map_err(|e| Error::Connect { target: endpoint_name(emulator), reason: e.to_string() })

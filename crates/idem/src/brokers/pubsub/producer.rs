@@ -34,7 +34,7 @@ impl PubSubProducer {
         let project = project(project_name)?;
         let emulator = super::emulator(emulator_host);
         let mut builder = BasePublisher::builder();
-        if let Some((endpoint, credentials)) = target(emulator.as_deref())? {
+        if let Some((endpoint, credentials)) = target(emulator.as_deref()) {
             builder = builder.with_endpoint(endpoint).with_credentials(credentials);
         }
         let base = builder
