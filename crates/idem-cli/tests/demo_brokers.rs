@@ -1,7 +1,8 @@
-//! `idem demo --nats`, `--rabbitmq` and `--sqs`: the demo on the real servers (`IDEM_NATS_URL`, default
-//! nats://127.0.0.1:4222; `IDEM_RABBITMQ_URL`, default amqp://guest:guest@127.0.0.1:5672/%2f; `IDEM_SQS_ENDPOINT`,
-//! default the local SQS server of scripts/sqs.sh, http://127.0.0.1:9324), on SQLite and on PostgreSQL, with its
-//! crashes and its exact ledger check.
+//! `idem demo --nats`, `--rabbitmq`, `--sqs` and `--pubsub`: the demo on the real servers (`IDEM_NATS_URL`,
+//! default nats://127.0.0.1:4222; `IDEM_RABBITMQ_URL`, default amqp://guest:guest@127.0.0.1:5672/%2f;
+//! `IDEM_SQS_ENDPOINT`, default the local SQS server of scripts/sqs.sh, http://127.0.0.1:9324;
+//! `IDEM_PUBSUB_EMULATOR_HOST`, default the Pub/Sub emulator of scripts/pubsub.sh, 127.0.0.1:8681), on SQLite and
+//! on PostgreSQL, with its crashes and its exact ledger check (on the emulator: exact up to what it holds back).
 
 use std::process::Command;
 
@@ -29,8 +30,15 @@ fn psql(url: &str, sql: &str) {
     assert!(out.status.success(), "{sql}: {}", String::from_utf8_lossy(&out.stderr));
 }
 
+fn pubsub_emulator() -> String {
+    std::env::var("IDEM_PUBSUB_EMULATOR_HOST").unwrap_or_else(|_| "127.0.0.1:8681".to_owned())
+}
+
 /// Runs `idem demo` on `broker` (its flag and URL) with `extra` arguments and checks its summary.
 fn demo(broker: [&str; 2], extra: &[&str], database: &str) {
+    if broker[0] == "--pubsub" {
+        return demo_on_the_pubsub_emulator(extra, database);
+    }
     // Fewer events on SQS: the local stand-in's sends slow down with every message its queue holds.
     let events: u64 = if broker[0] == "--sqs" { 500 } else { 2000 };
     let out = Command::new(env!("CARGO_BIN_EXE_idem"))
@@ -50,6 +58,34 @@ fn demo(broker: [&str; 2], extra: &[&str], database: &str) {
     assert_eq!(summary["distinct_ledger_events"], events, "{summary}");
     // A crash after a commit leaves its batch unacknowledged: it comes again and is absorbed.
     assert!(summary["duplicates_absorbed"].as_u64().unwrap() > summary["producer_duplicates"].as_u64().unwrap());
+}
+
+/// `idem demo --pubsub` on the emulator: it does not deliver again what a killed consumer held on an ordered
+/// subscription, so the summary's figures are checked against what it held back.
+fn demo_on_the_pubsub_emulator(extra: &[&str], database: &str) {
+    let events: u64 = 2000;
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["demo", "--json", "--events", &events.to_string(), "--crashes", "3", "--pubsub", "idem-demo-test"])
+        .args(extra)
+        .env("PUBSUB_EMULATOR_HOST", pubsub_emulator())
+        .output()
+        .expect("run idem demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let summary: Value = serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("{e}: {stdout}\n{}", String::from_utf8_lossy(&out.stderr)));
+    assert!(out.status.success(), "{summary}");
+    assert_eq!(summary["ok"], true, "{summary}");
+    assert_eq!(summary["database"], database, "{summary}");
+    assert_eq!(summary["crashes_survived"], 3, "{summary}");
+    let number = |v: &Value| v.as_u64().unwrap_or_else(|| panic!("not a count: {v} in {summary}"));
+    let held = &summary["held_back"];
+    // Each event is applied, dead-lettered or held back by the emulator: none lost, none twice.
+    let applied = number(&summary["distinct_ledger_events"]);
+    assert_eq!(applied, number(&summary["ledger_entries"]), "{summary}");
+    let accounted = applied + number(&summary["dead_letter_rows"]) + number(&held["events"]);
+    assert_eq!(accounted, number(&summary["events_produced"]), "{summary}");
+    // The first consumer's commits before its crash, at least, are in the ledger.
+    assert!(applied > 0 && number(&summary["processed"]) == applied, "{summary}");
 }
 
 /// Runs the demo on `broker` against a fresh PostgreSQL database.
@@ -102,4 +138,23 @@ fn demo_on_sqs_and_postgres() {
 #[test]
 fn demo_on_sqs_through_the_service_mode() {
     demo(["--sqs", &sqs_endpoint()], &["--service"], "sqlite");
+}
+
+#[cfg(feature = "pubsub")]
+#[test]
+fn demo_on_pubsub_and_sqlite() {
+    demo(["--pubsub", "idem-demo-test"], &["--crash-point", "after-commit"], "sqlite");
+}
+
+#[cfg(feature = "pubsub")]
+#[test]
+fn demo_on_pubsub_and_postgres() {
+    demo_on_postgres(["--pubsub", "idem-demo-test"]);
+}
+
+/// The demo through `idem run --config` with a `[consumer.pubsub]` source.
+#[cfg(feature = "pubsub")]
+#[test]
+fn demo_on_pubsub_through_the_service_mode() {
+    demo(["--pubsub", "idem-demo-test"], &["--service"], "sqlite");
 }

@@ -44,6 +44,16 @@ pub(super) fn config(transport: &Transport, batch_size: usize, connections: i32)
                 q(queue)
             ),
         ),
+        Transport::PubSub { project, subscription, group, partitions, outstanding, .. } => (
+            group.clone(),
+            format!(
+                "pubsub = {{ project = {}, subscription = {}, partitions = {partitions}, max_batch_time = \"3s\", \
+                 max_outstanding_messages = {outstanding}, require_ordering = true, idle_end = \"{}s\" }}",
+                q(project),
+                q(subscription),
+                super::transport::pubsub_idle_end().as_secs()
+            ),
+        ),
     };
     format!(
         r#"# The payments ledger of `idem demo`, as configuration: `idem run --config` applies each payment once.
@@ -78,7 +88,7 @@ expect_rows = 1   # an unknown account is dead-lettered, not silently skipped
 /// The broker URL of `transport`, for [`BROKER_URL_ENV`].
 pub(super) fn broker_url(transport: &Transport) -> Option<&str> {
     match transport {
-        Transport::Embedded(_) => None,
+        Transport::Embedded(_) | Transport::PubSub { .. } => None,
         Transport::Kafka { brokers, .. } => Some(brokers),
         Transport::Nats { url, .. } | Transport::Rabbitmq { url, .. } => Some(url),
         Transport::Sqs { endpoint, .. } => Some(endpoint),

@@ -11,10 +11,37 @@ use super::{DemoArgs, GROUP, SQS_VISIBILITY};
 /// Where the demo's events travel.
 pub(super) enum Transport {
     Embedded(PathBuf),
-    Kafka { brokers: String, topic: String, group: String },
-    Nats { url: String, stream: String, group: String, partitions: i32 },
-    Rabbitmq { url: String, queues: Vec<String>, group: String },
-    Sqs { endpoint: String, queue: String, group: String, partitions: i32 },
+    Kafka {
+        brokers: String,
+        topic: String,
+        group: String,
+    },
+    Nats {
+        url: String,
+        stream: String,
+        group: String,
+        partitions: i32,
+    },
+    Rabbitmq {
+        url: String,
+        queues: Vec<String>,
+        group: String,
+    },
+    Sqs {
+        endpoint: String,
+        queue: String,
+        group: String,
+        partitions: i32,
+    },
+    /// A topic and its ordered subscription of this run's own; `outstanding` bounds what one consumer holds.
+    PubSub {
+        project: String,
+        topic: String,
+        subscription: String,
+        group: String,
+        partitions: i32,
+        outstanding: i64,
+    },
 }
 
 impl Transport {
@@ -38,6 +65,20 @@ impl Transport {
                     return Err(error);
                 }
                 Transport::Sqs { endpoint, queue, group, partitions: args.partitions }
+            }
+            (None, None) if args.pubsub.is_some() => {
+                let project = args.pubsub.clone().unwrap_or_default();
+                let topic = format!("idem-demo-{run_id}");
+                let (subscription, group) = (format!("{topic}-ledger"), format!("{GROUP}-{run_id}"));
+                let written = crate::pubsub::write_demo_topic(&project, &topic, &subscription, records)
+                    .await
+                    .context("producing the events to Pub/Sub");
+                if let Err(error) = written {
+                    crate::pubsub::remove_demo(&project, &topic, &subscription).await;
+                    return Err(error);
+                }
+                let outstanding = args.batch_size as i64 * i64::from(args.partitions);
+                Transport::PubSub { project, topic, subscription, group, partitions: args.partitions, outstanding }
             }
             (None, None) if args.rabbitmq.is_some() => {
                 let url = args.rabbitmq.clone().unwrap_or_default();
@@ -75,6 +116,9 @@ impl Transport {
             Transport::Nats { url, stream, .. } => remove_nats_stream(url, stream).await,
             Transport::Rabbitmq { url, queues, .. } => remove_rabbitmq_queues(url, queues).await,
             Transport::Sqs { endpoint, queue, .. } => crate::sqs::remove_demo_queue(endpoint, queue).await,
+            Transport::PubSub { project, topic, subscription, .. } => {
+                crate::pubsub::remove_demo(project, topic, subscription).await
+            }
             Transport::Embedded(_) | Transport::Kafka { .. } => {}
         }
     }
@@ -119,6 +163,22 @@ impl Transport {
                 "--sqs-partitions".into(),
                 partitions.to_string(),
             ],
+            // Batches of at most 3 s; the end is 12 s without a message on the service (what a killed consumer
+            // held is due again after the 10 s ack deadline), 3 s on the emulator (which does not deliver it again).
+            Transport::PubSub { project, subscription, group, partitions, outstanding, .. } => vec![
+                "--pubsub".into(),
+                project.clone(),
+                "--topic".into(),
+                subscription.clone(),
+                "--group".into(),
+                group.clone(),
+                "--pubsub-partitions".into(),
+                partitions.to_string(),
+                "--pubsub-outstanding".into(),
+                outstanding.to_string(),
+                "--idle-end-secs".into(),
+                pubsub_idle_end().as_secs().to_string(),
+            ],
             Transport::Rabbitmq { url, queues, group } => {
                 let mut args = vec!["--rabbitmq".into(), url.clone(), "--group".into(), group.clone()];
                 for queue in queues {
@@ -127,6 +187,15 @@ impl Transport {
                 args
             }
         }
+    }
+}
+
+/// The quiet time that ends a Pub/Sub consumer of the demo: longer than the ack deadline on the service, so what a
+/// killed consumer held comes back first; short on the emulator, which does not deliver that again.
+pub(super) fn pubsub_idle_end() -> std::time::Duration {
+    match crate::pubsub::emulator() {
+        Some(_) => std::time::Duration::from_secs(3),
+        None => std::time::Duration::from_secs(12),
     }
 }
 

@@ -19,8 +19,21 @@ use super::{GROUP, PREFIX, TOPIC};
 #[derive(clap::Args, Debug)]
 pub struct WorkerArgs {
     /// The embedded log's directory.
-    #[arg(long, required_unless_present_any = ["kafka", "nats", "rabbitmq", "sqs"])]
+    #[arg(long, required_unless_present_any = ["kafka", "nats", "rabbitmq", "sqs", "pubsub"])]
     log_dir: Option<PathBuf>,
+    /// Google Cloud Pub/Sub (instead of the embedded log): the project; the topic is the subscription. The
+    /// emulator through `PUBSUB_EMULATOR_HOST`, else the real service with the standard Google credentials.
+    #[arg(long, conflicts_with_all = ["kafka", "log_dir", "nats", "rabbitmq", "sqs"])]
+    pubsub: Option<String>,
+    /// Pub/Sub: partitions the messages are spread over by ordering key, each handled in order.
+    #[arg(long, default_value_t = 8)]
+    pubsub_partitions: u32,
+    /// Pub/Sub: messages delivered and not yet acknowledged, at most (default: the client's, 1000).
+    #[arg(long)]
+    pubsub_outstanding: Option<i64>,
+    /// Pub/Sub: seconds without a message that count as the end of the subscription (without --follow).
+    #[arg(long, default_value_t = 3)]
+    idle_end_secs: u64,
     /// Amazon SQS (instead of the embedded log): an SQS-compatible endpoint (http://127.0.0.1:9324) or `aws`
     /// for the standard AWS configuration's; the topic is the queue's name or URL.
     #[arg(long, conflicts_with_all = ["kafka", "log_dir", "nats", "rabbitmq"])]
@@ -151,6 +164,9 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     if let Some(endpoint) = &args.sqs {
         return sqs(endpoint, &args, config, db, credit, signals).await;
     }
+    if let Some(project) = &args.pubsub {
+        return pubsub(project, &args, config, db, credit, signals).await;
+    }
     match (&args.kafka, &args.log_dir) {
         (Some(brokers), _) => {
             let mut kafka = idem::kafka::KafkaConfig::new(brokers.as_str(), &[args.topic.as_str()]);
@@ -171,7 +187,7 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
             let source = log.consumer(&args.group, &[args.topic.as_str()], options)?;
             with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults(args.fault.as_deref())?, signals).await?);
         }
-        (None, None) => bail!("give --log-dir, --kafka, --nats, --rabbitmq or --sqs"),
+        (None, None) => bail!("give --log-dir, --kafka, --nats, --rabbitmq, --sqs or --pubsub"),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -242,6 +258,35 @@ async fn sqs(
     let source = idem::sqs::SqsSource::connect(&sqs, &config).await?;
     with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults(args.fault.as_deref())?, signals).await?);
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(feature = "pubsub")]
+async fn pubsub(
+    project: &str,
+    args: &WorkerArgs,
+    config: Config,
+    db: Db,
+    credit: Credit,
+    signals: Signals,
+) -> anyhow::Result<ExitCode> {
+    let pubsub = idem::pubsub::PubSubConfig {
+        project: Some(project.to_owned()),
+        partitions: args.pubsub_partitions,
+        max_batch_time: std::time::Duration::from_secs(3),
+        max_outstanding_messages: args.pubsub_outstanding,
+        require_ordering: true,
+        stop_at_end: !args.follow,
+        idle_end: std::time::Duration::from_secs(args.idle_end_secs),
+        ..idem::pubsub::PubSubConfig::new(args.topic.as_str())
+    };
+    let source = idem::pubsub::PubSubSource::connect(&pubsub, &config).await?;
+    with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults(args.fault.as_deref())?, signals).await?);
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(not(feature = "pubsub"))]
+async fn pubsub(_: &str, _: &WorkerArgs, _: Config, _: Db, _: Credit, _: Signals) -> anyhow::Result<ExitCode> {
+    bail!("--pubsub: this idem is built without the `pubsub` feature")
 }
 
 #[cfg(not(feature = "sqs"))]

@@ -203,6 +203,11 @@ pub struct PubSubSource {
     pub max_lease: Option<Spanned<String>>,
     /// Refuse a subscription without message ordering.
     pub require_ordering: Option<bool>,
+    /// Messages delivered and not yet acknowledged, at most (flow control); default 1000.
+    pub max_outstanding_messages: Option<i64>,
+    /// With `idem run --exit-at-end`: how long nothing arriving counts as the end (`3s`); Pub/Sub does not say
+    /// how many messages wait.
+    pub idle_end: Option<Spanned<String>>,
 }
 
 /// A parameter's declaration: `amount = { from = "json:/amount", type = "numeric" }`.

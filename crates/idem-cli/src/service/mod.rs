@@ -311,6 +311,8 @@ async fn start<DB: ServiceDb>(
             max_batch_time,
             max_lease,
             require_ordering,
+            max_outstanding_messages,
+            idle_end,
         } => {
             let pubsub = idem::pubsub::PubSubConfig {
                 project: project.clone(),
@@ -319,7 +321,9 @@ async fn start<DB: ServiceDb>(
                 max_batch_time: *max_batch_time,
                 max_lease: *max_lease,
                 require_ordering: *require_ordering,
+                max_outstanding_messages: *max_outstanding_messages,
                 stop_at_end: exit_at_end,
+                idle_end: *idle_end,
                 ..idem::pubsub::PubSubConfig::new(subscription.as_str())
             };
             let source = idem::pubsub::PubSubSource::connect(&pubsub, config).await?;

@@ -35,6 +35,8 @@ pub enum SourcePlan {
         max_batch_time: Duration,
         max_lease: Duration,
         require_ordering: bool,
+        max_outstanding_messages: Option<i64>,
+        idle_end: Duration,
     },
 }
 
@@ -146,6 +148,13 @@ pub(super) fn plan(
             Some(t) => duration(problems, t, &here("pubsub.max_lease"))?,
             None => Duration::from_secs(3600),
         };
+        let idle_end = match &g.idle_end {
+            Some(t) => duration(problems, t, &here("pubsub.idle_end"))?,
+            None => Duration::from_secs(3),
+        };
+        if g.max_outstanding_messages.is_some_and(|n| n < 1) {
+            problems.line(line, &here("pubsub.max_outstanding_messages"), "lets no message through: use at least 1");
+        }
         return Some(SourcePlan::PubSub {
             subscription: g.subscription.clone(),
             project,
@@ -154,6 +163,8 @@ pub(super) fn plan(
             max_batch_time,
             max_lease,
             require_ordering: g.require_ordering.unwrap_or(false),
+            max_outstanding_messages: g.max_outstanding_messages,
+            idle_end,
         });
     }
     let r = c.rabbitmq.as_ref()?;

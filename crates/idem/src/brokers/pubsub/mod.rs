@@ -337,6 +337,17 @@ pub async fn delete_subscription(emulator: Option<&str>, project: &str, subscrip
     }
 }
 
+/// Deletes topic `topic` of `project`; a missing one is not an error. For demos and tests.
+pub async fn delete_topic(emulator: Option<&str>, project: &str, topic: &str) -> Result<(), Error> {
+    let path = resource_path(Some(project), "topics", topic)?;
+    let admin = topic_admin(emulator).await?;
+    match admin.delete_topic().set_topic(&path).send().await {
+        Ok(()) => Ok(()),
+        Err(e) if e.status().is_some_and(|s| s.code == google_cloud_gax::error::rpc::Code::NotFound) => Ok(()),
+        Err(e) => Err(explain(&format!("topic {path}"), emulator, &e)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
