@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs `idem-bench` with everything it needs: a virtualenv with psycopg 3 for the reference handler (installed
-# once, in ~/.cache/idem-tools/bench-venv), the Kafka-compatible broker (scripts/kafka.sh), a release build.
+# once, in ~/.cache/idem-tools/bench-venv), the Kafka-compatible broker (scripts/kafka.sh), Google's Pub/Sub
+# emulator (scripts/pubsub.sh), a release build.
 #
 #   bench/run.sh            the full benchmark (about 25 minutes on 2 cores)
 #   bench/run.sh --quick    a small version: checks that every leg runs and totals are right
@@ -26,7 +27,13 @@ cargo build --release -p idem-bench >&2
 # NATS JetStream and RabbitMQ: the machine's servers unless IDEM_NATS_URL / IDEM_RABBITMQ_URL name others.
 nats="${IDEM_NATS_URL:-nats://127.0.0.1:4222}"
 rabbitmq="${IDEM_RABBITMQ_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}"
+# Google Pub/Sub: the emulator at IDEM_PUBSUB_EMULATOR_HOST, or the project's own (scripts/pubsub.sh); its legs
+# measure the emulator.
+if [ -z "${IDEM_PUBSUB_EMULATOR_HOST:-}" ]; then
+    scripts/pubsub.sh up >&2
+fi
+export PUBSUB_EMULATOR_HOST="${IDEM_PUBSUB_EMULATOR_HOST:-127.0.0.1:8681}"
 # MySQL/MariaDB: the machine's server unless IDEM_BENCH_MYSQL names another database.
 mysql="${IDEM_BENCH_MYSQL:-mysql://root@127.0.0.1:3306/test}"
 exec target/release/idem-bench --python "$venv/bin/python" --kafka "$brokers" --nats "$nats" --rabbitmq "$rabbitmq" \
-    --mysql "$mysql" "$@"
+    --pubsub idem-bench --mysql "$mysql" "$@"

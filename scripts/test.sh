@@ -133,7 +133,8 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import psycopg" 2>/de
 fi
 python_arg=()
 if "$venv/bin/python" -c "import psycopg" 2>/dev/null; then python_arg=(--python "$venv/bin/python"); fi
-cargo run --quiet -p idem-bench -- --quick "${python_arg[@]}" \
+PUBSUB_EMULATOR_HOST="${IDEM_PUBSUB_EMULATOR_HOST:-127.0.0.1:8681}" \
+  cargo run --quiet -p idem-bench -- --quick "${python_arg[@]}" --pubsub idem-bench \
   --nats "${IDEM_NATS_URL:-nats://127.0.0.1:4222}" --rabbitmq "${IDEM_RABBITMQ_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}" \
   --database-url "${IDEM_BENCH_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}" \
   --mysql "${IDEM_BENCH_MYSQL:-${IDEM_TEST_MYSQL:-mysql://root@127.0.0.1:3306}/test}"

@@ -1,11 +1,11 @@
-//! The NATS JetStream and RabbitMQ legs: the events loaded into the broker, then per run read and acknowledged
-//! only (the broker's read limit through idem's own source, no database) and consumed end to end by idem with
-//! the batch handler (batch 1000), each from the first message to the last commit.
+//! The NATS JetStream, RabbitMQ and Google Pub/Sub legs: the events loaded into the broker, then per run read and
+//! acknowledged only (the broker's read limit through idem's own source, no database) and consumed end to end by
+//! idem with the batch handler (batch 1000), each from the first message to the last commit.
 
 use super::*;
 
-/// Runs the legs of every broker that has a server (`--nats`, `--rabbitmq`) and is `wanted`; a broker without
-/// one gets a note.
+/// Runs the legs of every broker that has a server (`--nats`, `--rabbitmq`, `--pubsub`) and is `wanted`; a
+/// broker without one gets a note.
 pub(super) async fn run(
     pool: &PgPool,
     args: &BenchArgs,
@@ -14,7 +14,12 @@ pub(super) async fn run(
     notes: &mut Vec<String>,
 ) -> anyhow::Result<Vec<Leg>> {
     let mut legs = Vec::new();
-    for (broker, flag, url) in [("NATS JetStream", "--nats", &args.nats), ("RabbitMQ", "--rabbitmq", &args.rabbitmq)] {
+    let brokers = [
+        ("NATS JetStream", "--nats", &args.nats),
+        ("RabbitMQ", "--rabbitmq", &args.rabbitmq),
+        ("Pub/Sub", "--pubsub", &args.pubsub),
+    ];
+    for (broker, flag, url) in brokers {
         if !wanted(broker) {
             continue;
         }
@@ -25,6 +30,7 @@ pub(super) async fn run(
         progress(&format!("{broker} read limit and idem end to end"));
         let (read, consume) = match flag {
             "--rabbitmq" => broker_legs(pool, args, RabbitLeg::new(url), args.broker_events).await?,
+            "--pubsub" => broker_legs(pool, args, PubSubLeg::new(url), args.broker_events).await?,
             _ => broker_legs(pool, args, NatsLeg::new(url), args.broker_events).await?,
         };
         legs.extend([read, consume]);
@@ -233,5 +239,72 @@ impl BrokerLeg for RabbitLeg {
         for queue in &self.queues {
             let _ = idem::rabbitmq::delete_queue(&self.url, queue).await;
         }
+    }
+}
+
+/// Google Pub/Sub: one topic with message ordering, each account an ordering key; a fresh subscription before each
+/// load (a subscription receives only what is published after it exists), the previous one removed. On the
+/// emulator the legs measure the emulator.
+struct PubSubLeg {
+    project: String,
+    topic: String,
+    subscription: Option<String>,
+    loads: u32,
+}
+
+impl PubSubLeg {
+    fn new(project: &str) -> Self {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        PubSubLeg { project: project.to_owned(), topic: format!("bench-{nanos}"), subscription: None, loads: 0 }
+    }
+}
+
+impl BrokerLeg for PubSubLeg {
+    type Source = idem::pubsub::PubSubSource;
+
+    fn name(&self) -> &'static str {
+        if idem_cli::pubsub::emulator().is_some() { "Pub/Sub emulator" } else { "Pub/Sub" }
+    }
+
+    async fn load(&mut self, records: &[(i64, String)]) -> anyhow::Result<()> {
+        let emulator = idem_cli::pubsub::emulator();
+        if self.loads == 0 {
+            idem::pubsub::create_topic(emulator.as_deref(), &self.project, &self.topic).await?;
+        }
+        if let Some(old) = self.subscription.take() {
+            let _ = idem::pubsub::delete_subscription(emulator.as_deref(), &self.project, &old).await;
+        }
+        let subscription = format!("{}-{}", self.topic, self.loads);
+        self.loads += 1;
+        let options = idem::pubsub::SubscriptionOptions { ordering: true, ..Default::default() };
+        idem::pubsub::create_subscription(emulator.as_deref(), &self.project, &self.topic, &subscription, &options)
+            .await?;
+        self.subscription = Some(subscription);
+        idem_cli::pubsub::publish(&self.project, &self.topic, records).await
+    }
+
+    async fn source(&self, config: &Config) -> anyhow::Result<Self::Source> {
+        let subscription = self.subscription.as_deref().context("nothing was loaded")?;
+        let pubsub = idem::pubsub::PubSubConfig {
+            project: Some(self.project.clone()),
+            partitions: 4,
+            max_outstanding_messages: Some(4000),
+            require_ordering: true,
+            stop_at_end: true,
+            ..idem::pubsub::PubSubConfig::new(subscription)
+        };
+        Ok(idem::pubsub::PubSubSource::connect(&pubsub, config).await?)
+    }
+
+    fn reading_consumes(&self) -> bool {
+        true
+    }
+
+    async fn remove(&self) {
+        let emulator = idem_cli::pubsub::emulator();
+        if let Some(subscription) = &self.subscription {
+            let _ = idem::pubsub::delete_subscription(emulator.as_deref(), &self.project, subscription).await;
+        }
+        let _ = idem::pubsub::delete_topic(emulator.as_deref(), &self.project, &self.topic).await;
     }
 }

@@ -3,8 +3,8 @@
 //!
 //! Legs: pgbench running the per-event transaction; the Python reference handler; idem with one transaction per
 //! event at 1, 2 and 4 partitions; idem batched (100 and 1,000; per-message and batch handler); the batched SQL
-//! limit (a raw loop: one multi-row claim and one UPDATE per batch); end to end from Kafka, NATS JetStream and
-//! RabbitMQ next to their read limits; the outbox (an enqueue per event, the relay next to the produce limits); one
+//! limit (a raw loop: one multi-row claim and one UPDATE per batch); end to end from Kafka, NATS JetStream,
+//! RabbitMQ and Google Pub/Sub (on the emulator: the emulator's figures) next to their read limits; the outbox (an enqueue per event, the relay next to the produce limits); one
 //! key failing for a while against the same run without it (the other partitions' rate); with `--mysql`, idem
 //! per-event and batched against raw SQL loops on MySQL/MariaDB.
 
@@ -93,7 +93,12 @@ pub struct BenchArgs {
     /// amqp://guest:guest@127.0.0.1:5672/%2f.
     #[arg(long)]
     rabbitmq: Option<String>,
-    /// Events loaded into NATS and RabbitMQ for their legs.
+    /// A Google Cloud Pub/Sub project for its read-limit and end-to-end legs (skipped without): the emulator at
+    /// `PUBSUB_EMULATOR_HOST`, else the real service with the standard Google credentials. On the emulator they
+    /// measure the emulator (a Java process on the same cores), not Pub/Sub.
+    #[arg(long)]
+    pubsub: Option<String>,
+    /// Events loaded into NATS, RabbitMQ and Pub/Sub for their legs.
     #[arg(long, default_value_t = 100_000)]
     broker_events: usize,
     /// Only the legs whose name contains one of these (semicolon-separated), e.g. `pgbench;per-event`.

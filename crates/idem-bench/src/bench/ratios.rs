@@ -81,7 +81,7 @@ pub(super) fn ratios(legs: &[Leg]) -> Vec<(String, f64)> {
         median("idem relay to Kafka"),
         median("Kafka produce limit (1,000 awaited at a time)"),
     );
-    for broker in ["NATS JetStream", "RabbitMQ"] {
+    for broker in ["NATS JetStream", "RabbitMQ", "Pub/Sub emulator", "Pub/Sub"] {
         let idem =
             legs.iter().find(|l| l.name.starts_with(&format!("idem end to end from {broker}"))).map(|l| l.median);
         let read = legs.iter().find(|l| l.name.starts_with(&format!("{broker} read limit"))).map(|l| l.median);
