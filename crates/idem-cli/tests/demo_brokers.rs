@@ -34,39 +34,12 @@ fn pubsub_emulator() -> String {
     std::env::var("IDEM_PUBSUB_EMULATOR_HOST").unwrap_or_else(|_| "127.0.0.1:8681".to_owned())
 }
 
-/// Runs `idem demo` on `broker` (its flag and URL) with `extra` arguments and checks its summary.
-fn demo(broker: [&str; 2], extra: &[&str], database: &str) {
-    if broker[0] == "--pubsub" {
-        return demo_on_the_pubsub_emulator(extra, database);
-    }
-    // Fewer events on SQS: the local stand-in's sends slow down with every message its queue holds.
-    let events: u64 = if broker[0] == "--sqs" { 500 } else { 2000 };
+/// Runs `idem demo --json` with `events`, 3 crashes and `args` (the emulator's address in its environment): the
+/// summary, checked to say `ok` on `database` after the 3 crashes.
+fn run_demo(events: u64, args: &[&str], database: &str) -> Value {
     let out = Command::new(env!("CARGO_BIN_EXE_idem"))
         .args(["demo", "--json", "--events", &events.to_string(), "--crashes", "3"])
-        .args(broker)
-        .args(extra)
-        .output()
-        .expect("run idem demo");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let summary: Value = serde_json::from_str(stdout.trim())
-        .unwrap_or_else(|e| panic!("{e}: {stdout}\n{}", String::from_utf8_lossy(&out.stderr)));
-    assert!(out.status.success(), "{summary}");
-    assert_eq!(summary["ok"], true, "{summary}");
-    assert_eq!(summary["database"], database, "{summary}");
-    assert_eq!(summary["crashes_survived"], 3, "{summary}");
-    assert_eq!(summary["ledger_entries"], events, "{summary}");
-    assert_eq!(summary["distinct_ledger_events"], events, "{summary}");
-    // A crash after a commit leaves its batch unacknowledged: it comes again and is absorbed.
-    assert!(summary["duplicates_absorbed"].as_u64().unwrap() > summary["producer_duplicates"].as_u64().unwrap());
-}
-
-/// `idem demo --pubsub` on the emulator: it does not deliver again what a killed consumer held on an ordered
-/// subscription, so the summary's figures are checked against what it held back.
-fn demo_on_the_pubsub_emulator(extra: &[&str], database: &str) {
-    let events: u64 = 2000;
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["demo", "--json", "--events", &events.to_string(), "--crashes", "3", "--pubsub", "idem-demo-test"])
-        .args(extra)
+        .args(args)
         .env("PUBSUB_EMULATOR_HOST", pubsub_emulator())
         .output()
         .expect("run idem demo");
@@ -77,6 +50,27 @@ fn demo_on_the_pubsub_emulator(extra: &[&str], database: &str) {
     assert_eq!(summary["ok"], true, "{summary}");
     assert_eq!(summary["database"], database, "{summary}");
     assert_eq!(summary["crashes_survived"], 3, "{summary}");
+    summary
+}
+
+/// Runs `idem demo` on `broker` (its flag and URL) with `extra` arguments and checks its summary.
+fn demo(broker: [&str; 2], extra: &[&str], database: &str) {
+    if broker[0] == "--pubsub" {
+        return demo_on_the_pubsub_emulator(broker, extra, database);
+    }
+    // Fewer events on SQS: the local stand-in's sends slow down with every message its queue holds.
+    let events: u64 = if broker[0] == "--sqs" { 500 } else { 2000 };
+    let summary = run_demo(events, &[broker.as_slice(), extra].concat(), database);
+    assert_eq!(summary["ledger_entries"], events, "{summary}");
+    assert_eq!(summary["distinct_ledger_events"], events, "{summary}");
+    // A crash after a commit leaves its batch unacknowledged: it comes again and is absorbed.
+    assert!(summary["duplicates_absorbed"].as_u64().unwrap() > summary["producer_duplicates"].as_u64().unwrap());
+}
+
+/// `idem demo --pubsub` on the emulator: it does not deliver again what a killed consumer held on an ordered
+/// subscription, so the summary's figures are checked against what it held back.
+fn demo_on_the_pubsub_emulator(broker: [&str; 2], extra: &[&str], database: &str) {
+    let summary = run_demo(2000, &[broker.as_slice(), extra].concat(), database);
     let number = |v: &Value| v.as_u64().unwrap_or_else(|| panic!("not a count: {v} in {summary}"));
     let held = &summary["held_back"];
     // Each event is applied, dead-lettered or held back by the emulator: none lost, none twice.

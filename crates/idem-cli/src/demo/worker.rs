@@ -179,16 +179,29 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
             kafka.stop_at_end = !args.follow;
             let observer: idem::kafka::consumer::AssignmentObserver = std::sync::Arc::new(report_assignment);
             let source = idem::kafka::KafkaSource::connect_observed(&kafka, &config, Some(observer)).await?;
-            with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults(args.fault.as_deref())?, signals).await?);
+            consume(source, &args, config, db, credit, signals).await
         }
         (None, Some(dir)) => {
             let log = EmbeddedLog::open(dir)?;
             let options = ConsumerOptions { stop_at_end: !args.follow, ..ConsumerOptions::default() };
             let source = log.consumer(&args.group, &[args.topic.as_str()], options)?;
-            with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults(args.fault.as_deref())?, signals).await?);
+            consume(source, &args, config, db, credit, signals).await
         }
         (None, None) => bail!("give --log-dir, --kafka, --nats, --rabbitmq, --sqs or --pubsub"),
     }
+}
+
+/// Runs the demo's handler on `source` to its end (or until a signal).
+async fn consume<S: idem::Source>(
+    source: S,
+    args: &WorkerArgs,
+    config: Config,
+    db: Db,
+    credit: Credit,
+    signals: Signals,
+) -> anyhow::Result<ExitCode> {
+    let faults = faults(args.fault.as_deref())?;
+    with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults, signals).await?);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -211,8 +224,7 @@ async fn nats(
         ..idem::nats::NatsConfig::new(url, args.topic.as_str())
     };
     let source = idem::nats::NatsSource::connect(&nats, &config).await?;
-    with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults(args.fault.as_deref())?, signals).await?);
-    Ok(ExitCode::SUCCESS)
+    consume(source, args, config, db, credit, signals).await
 }
 
 #[cfg(feature = "rabbitmq")]
@@ -234,8 +246,7 @@ async fn rabbitmq(
         ..idem::rabbitmq::RabbitConfig::new(url, &queues)
     };
     let source = idem::rabbitmq::RabbitSource::connect(&rabbit, &config).await?;
-    with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults(args.fault.as_deref())?, signals).await?);
-    Ok(ExitCode::SUCCESS)
+    consume(source, args, config, db, credit, signals).await
 }
 
 #[cfg(feature = "sqs")]
@@ -256,8 +267,7 @@ async fn sqs(
         ..idem::sqs::SqsConfig::new(args.topic.as_str())
     };
     let source = idem::sqs::SqsSource::connect(&sqs, &config).await?;
-    with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults(args.fault.as_deref())?, signals).await?);
-    Ok(ExitCode::SUCCESS)
+    consume(source, args, config, db, credit, signals).await
 }
 
 #[cfg(feature = "pubsub")]
@@ -280,8 +290,7 @@ async fn pubsub(
         ..idem::pubsub::PubSubConfig::new(args.topic.as_str())
     };
     let source = idem::pubsub::PubSubSource::connect(&pubsub, &config).await?;
-    with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults(args.fault.as_deref())?, signals).await?);
-    Ok(ExitCode::SUCCESS)
+    consume(source, args, config, db, credit, signals).await
 }
 
 #[cfg(not(feature = "pubsub"))]
