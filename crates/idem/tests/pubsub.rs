@@ -1,6 +1,7 @@
 //! Google Cloud Pub/Sub against Google's emulator (`IDEM_PUBSUB_EMULATOR_HOST`, default scripts/pubsub.sh's
 //! 127.0.0.1:8681): the lease extension that keeps a batch running several ack deadlines from being delivered
-//! twice (and its mutant without it), the delivery the subscription's dead-letter policy calls last kept as a
+//! twice (and its mutant without it), a late acknowledgement refused on an exactly-once subscription counted while
+//! the consumer goes on, the delivery the subscription's dead-letter policy calls last kept as a
 //! dead letter without the handler, and the start-up refusals (a missing subscription, an unreachable endpoint,
 //! a subscription without ordering where order is required, a marker retention shorter than the subscription's,
 //! the `broker-id` key, no project).
@@ -77,10 +78,19 @@ impl Source for Counting {
 /// Runs one message whose handler takes 25 s (two and a half ack deadlines of 10 s) and two quick ones through a
 /// source with `config`; returns the most deliveries of one message, and checks the ledger is exact either way.
 async fn slow_batch(prefix: &str, config: impl FnOnce(PubSubConfig) -> PubSubConfig) -> usize {
+    let options = SubscriptionOptions { ordering: true, ack_deadline_seconds: 10, ..Default::default() };
+    slow_batch_on(prefix, &options, config).await.0
+}
+
+/// [`slow_batch`] on a subscription with `options`; also returns the subscription's id.
+async fn slow_batch_on(
+    prefix: &str,
+    options: &SubscriptionOptions,
+    config: impl FnOnce(PubSubConfig) -> PubSubConfig,
+) -> (usize, String) {
     let db = common::pg().await;
     common::setup(&db.pool).await;
-    let options = SubscriptionOptions { ordering: true, ack_deadline_seconds: 10, ..Default::default() };
-    let (name, subscription) = topic(prefix, &options).await;
+    let (name, subscription) = topic(prefix, options).await;
     publish(&name, "k", &[r#"{"id":"slow","amount":1,"sleep_ms":25000}"#, r#"{"id":"a","amount":2}"#]).await;
     publish(&name, "k", &[r#"{"id":"b","amount":4}"#]).await;
     let engine = idem::Engine::new(db.pool.clone(), common::config(10)).unwrap();
@@ -91,7 +101,8 @@ async fn slow_batch(prefix: &str, config: impl FnOnce(PubSubConfig) -> PubSubCon
     assert_eq!(stats.processed, 3, "{stats:?}");
     assert_eq!(common::ledger_total(&db.pool).await, 7, "each payment applied once, whatever came twice");
     assert_eq!(common::ledger_rows(&db.pool, "slow").await, 1);
-    deliveries.lock().unwrap().values().copied().max().unwrap_or(0)
+    let most = deliveries.lock().unwrap().values().copied().max().unwrap_or(0);
+    (most, subscription)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -111,6 +122,30 @@ async fn without_the_lease_extension_the_slow_batch_is_delivered_again() {
     })
     .await;
     assert!(most >= 2, "without the extension the slow message must come again; it came {most} time(s)");
+}
+
+/// On a subscription with exactly-once delivery, the acknowledgement of the slow message's first delivery comes
+/// after its deadline passed (the mutant's 1 s lease): Pub/Sub refuses it. idem counts it
+/// (`pubsub_ack_failed_total`), the consumer goes on, and the redelivery is absorbed by the marker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_an_exactly_once_subscription_a_refused_ack_is_counted_and_the_consumer_goes_on() {
+    let metrics = idem::http::install_recorder().expect("the test binary's one recorder");
+    let options =
+        SubscriptionOptions { ordering: true, ack_deadline_seconds: 10, exactly_once: true, ..Default::default() };
+    let (most, subscription) = slow_batch_on("eod", &options, |c| PubSubConfig {
+        max_lease: Duration::from_secs(1),
+        max_batch_time: Duration::from_secs(1),
+        ..c
+    })
+    .await;
+    assert!(most >= 2, "the slow message must come again; it came {most} time(s)");
+    let rendered = metrics.render();
+    let refused: f64 = rendered
+        .lines()
+        .filter(|line| line.starts_with("pubsub_ack_failed_total") && line.contains(&subscription))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(refused >= 1.0, "the late acknowledgement was refused and counted:\n{rendered}");
 }
 
 /// A source that drops every delivery that is not the last the dead-letter policy allows, as a consumer crashing
