@@ -7,7 +7,7 @@
 
 use std::process::ExitCode;
 
-use crate::{DbArgs, commands, demo, embedded_log, inbox, migrations, outbox, service};
+use crate::{DbArgs, commands, demo, embedded_log, inbox, migrations, outbox, parked, service};
 use clap::{Parser, Subcommand};
 
 /// Exactly-once effects over at-least-once message delivery.
@@ -76,6 +76,9 @@ enum Command {
     /// List or replay dead-lettered messages.
     #[command(subcommand)]
     DeadLetters(DeadLetterCommand),
+    /// Messages parked for delayed retries: list them, make them due now, discard them into the dead letters.
+    #[command(subcommand)]
+    Parked(parked::ParkedCommand),
     /// Delete markers older than the retention, in bounded batches (one pass); --dry-run only counts them.
     Prune {
         #[command(flatten)]
@@ -255,6 +258,7 @@ pub fn main() -> ExitCode {
                 Command::Log(command) => embedded_log::run(command).await,
                 Command::Relay(args) => outbox::relay(args).await,
                 Command::Outbox(command) => outbox::command(command).await,
+                Command::Parked(command) => parked::run(command).await,
                 Command::Markers(MarkersCommand::Layout { db, json }) => commands::markers_layout(&db, json).await,
                 Command::Markers(MarkersCommand::Convert { db, to, period, create_ahead }) => {
                     let period = (to == "partitioned").then_some(period);

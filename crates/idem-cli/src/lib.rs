@@ -10,6 +10,7 @@ pub mod inbox;
 pub mod logging;
 pub mod migrations;
 pub mod outbox;
+pub mod parked;
 pub mod pubsub;
 pub mod service;
 pub mod signals;

@@ -44,6 +44,10 @@ pub struct Config {
     /// How long a partition may hold work without a commit before it counts as stalled: logged at WARN, shown by
     /// the gauge `partition_stalled_seconds` and by [`crate::Engine::health`] (and `/readyz`). Default 60 s.
     pub stall_after: Duration,
+    /// The second retry tier: after `max_attempts` immediate attempts, a message still failing with a retryable
+    /// error is parked in the database and acknowledged, and tried again on this schedule (see
+    /// [`crate::delayed_retry`]). `None` (the default): it is dead-lettered at once.
+    pub delayed_retries: Option<crate::delayed_retry::DelayedRetries>,
 }
 
 /// What decides that an event was applied already.
@@ -178,6 +182,7 @@ impl Config {
             kill_switch: crate::kill_switch::KillSwitch::default(),
             dedup: Dedup::Markers,
             stall_after: Duration::from_secs(60),
+            delayed_retries: None,
         }
     }
 
@@ -232,6 +237,13 @@ impl Config {
         self
     }
 
+    /// Parks a message that still fails after the immediate retries and tries it again on `retries`' schedule,
+    /// keeping its key's order (see [`crate::delayed_retry`]).
+    pub fn delayed_retries(mut self, retries: crate::delayed_retry::DelayedRetries) -> Self {
+        self.delayed_retries = Some(retries);
+        self
+    }
+
     /// Sets [`Config::id_reuse`].
     pub fn id_reuse(mut self, policy: IdReusePolicy) -> Self {
         self.id_reuse = policy;
@@ -264,6 +276,9 @@ impl Config {
             return Err(Error::Config("max_attempts = 0: use at least 1".into()));
         }
         self.backoff.validate("backoff")?;
+        if let Some(retries) = &self.delayed_retries {
+            retries.validate()?;
+        }
         if self.pruning.retention.is_some_and(|r| r < Duration::from_secs(60)) {
             return Err(Error::Config(
                 "pruning.retention is under a minute: keep markers longer than the broker can redeliver (e.g. 8 days)"

@@ -83,6 +83,7 @@ pub mod backoff;
 mod brokers;
 pub mod config;
 pub mod dead_letter;
+pub mod delayed_retry;
 pub mod duration;
 pub use brokers::embedded;
 pub mod engine;
@@ -121,6 +122,7 @@ pub mod testing;
 
 pub use backoff::Backoff;
 pub use config::{Config, Dedup, IdReusePolicy, MarkerLayout, PartitionPeriod, Partitioning, Pruning};
+pub use delayed_retry::{DelayedRetries, ParkOrder};
 pub use engine::{Committed, Engine, Health, Outcome, Stalled, StatsSnapshot};
 pub use error::{Error, HandlerError, Retry};
 pub use handler::{BatchHandler, Handler};

@@ -51,6 +51,17 @@ pub fn describe() {
         "1 while the kill switch holds the consumer (many messages in a row failed the same way), else 0"
     );
     describe_counter!("kill_switch_trips_total", Unit::Count, "Times the kill switch tripped");
+    describe_gauge!("parked_messages", Unit::Count, "Messages parked for a delayed retry (and behind them, per key)");
+    describe_gauge!(
+        "parked_oldest_age_seconds",
+        Unit::Seconds,
+        "How long the group's oldest parked message has waited"
+    );
+    describe_counter!(
+        "delayed_retries_total",
+        Unit::Count,
+        "Delayed retries by result: released (applied), failed (parked again), dead_lettered (schedule used up)"
+    );
     describe_gauge!(
         "kafka_topic_retention_seconds",
         Unit::Seconds,

@@ -62,6 +62,16 @@ pub struct Operations {
     pub listen: Option<Spanned<String>>,
 }
 
+/// A consumer's `delayed_retries`.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DelayedRetriesFile {
+    /// The delays, in order (`["10s", "1m", "10m", "1h"]`).
+    pub schedule: Vec<String>,
+    /// `key` (the default: later messages of a parked key wait behind it) or `none`.
+    pub order: Option<String>,
+}
+
 /// One `[[consumer]]`.
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -79,6 +89,10 @@ pub struct Consumer {
     /// How long a partition may hold work without a commit before it counts as stalled (`60s`, the default):
     /// logged, in `partition_stalled_seconds` and in `/readyz`.
     pub stall_after: Option<Spanned<String>>,
+    /// Delayed retries after the immediate ones: `{ schedule = ["10s", "1m", "10m", "1h"], order = "key" }`. A
+    /// message still failing is parked in the database and acknowledged, and tried again on the schedule; later
+    /// messages of its key wait behind it (`order = "none"`: they do not).
+    pub delayed_retries: Option<Spanned<DelayedRetriesFile>>,
     /// How long markers are kept (`8d`); the retention guard checks it against the broker at start-up.
     pub marker_retention: Option<Spanned<String>>,
     /// `plain` (default), `partitioned-day` or `partitioned-month` (PostgreSQL).

@@ -34,6 +34,12 @@ pub(crate) trait Process<DB: Backend>: Send + Sync + 'static {
         batch: Vec<Message>,
         shutdown: &Shutdown,
     ) -> impl Future<Output = Result<Vec<bool>, Error>> + Send;
+
+    /// Tries the consumer's due parked messages again until `shutdown` (delayed retries, see
+    /// [`crate::delayed_retry`]). The marker path's messages park; the default parks nothing and returns.
+    fn release_parked(&self, _engine: Engine<DB>, _shutdown: Shutdown) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
+    }
 }
 
 /// The marker path: every message of the batch through [`Engine::process_items`].
@@ -44,6 +50,10 @@ impl<DB: Backend, A: Apply<DB> + 'static> Process<DB> for Marked<A> {
         let items = engine.items(batch);
         let outcomes = engine.process_items(&items, &self.0, shutdown).await?;
         Ok(outcomes.into_iter().map(|o| o == Outcome::DeadLettered).collect())
+    }
+
+    async fn release_parked(&self, engine: Engine<DB>, shutdown: Shutdown) {
+        engine.release_parked(&self.0, shutdown).await
     }
 }
 

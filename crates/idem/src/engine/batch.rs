@@ -39,12 +39,21 @@ pub(super) struct Isolate {
     at: Option<usize>,
     reason: String,
     attempts: u32,
+    /// The failure was retryable (the immediate retries ran out): a delayed retry may help.
+    retryable: bool,
 }
 
 /// Work left in a batch, in order.
 enum Step {
     Range(Range<usize>),
-    DeadLetter { index: usize, reason: String, attempts: u32 },
+    DeadLetter {
+        index: usize,
+        reason: String,
+        attempts: u32,
+        retryable: bool,
+    },
+    /// Parked behind an earlier parked message of its key.
+    Behind(usize),
 }
 
 /// A batch's retry log lines name the message at fault, or the first of the batch.
@@ -118,9 +127,24 @@ impl<DB: Backend> Engine<DB> {
     ) -> Result<Vec<Outcome>, Error> {
         let mut outcomes = Vec::with_capacity(items.len());
         let mut steps = VecDeque::from([Step::Range(0..items.len())]);
+        let mut parked = self.parked_keys_of(items, shutdown).await?;
+        let parks = |item: &Item| self.delayed_retries().is_some() && matches!(item, Item::Keyed(_));
         while let Some(step) = steps.pop_front() {
             match step {
-                Step::DeadLetter { index, reason, attempts } => match self.inner.breaker.failed(&reason) {
+                Step::Behind(index) => {
+                    outcomes.push(self.park(&items[index], None, 0, &mut parked, shutdown).await?);
+                }
+                Step::Range(range) if parked.blocks_any(&items[range.clone()]).is_some() => {
+                    // Commit what comes before the first message of a parked key, park it, go on after it.
+                    let at = range.start + parked.blocks_any(&items[range.clone()]).unwrap_or(0);
+                    steps.push_front(Step::Range(at + 1..range.end));
+                    steps.push_front(Step::Behind(at));
+                    steps.push_front(Step::Range(range.start..at));
+                }
+                Step::DeadLetter { index, reason, attempts, retryable } => match self.inner.breaker.failed(&reason) {
+                    (Verdict::DeadLetter, _) if retryable && parks(&items[index]) => {
+                        outcomes.push(self.park(&items[index], Some(&reason), attempts, &mut parked, shutdown).await?);
+                    }
                     (Verdict::DeadLetter, _) => {
                         outcomes.push(self.dead_letter(&items[index], &reason, attempts, shutdown).await?);
                     }
@@ -145,15 +169,16 @@ impl<DB: Backend> Engine<DB> {
                             }
                             outcomes.extend(done)
                         }
-                        Err(Isolate { at: Some(at), reason, attempts }) => {
-                            // Commit what precedes the failing message, dead-letter it, then go on after it.
+                        Err(Isolate { at: Some(at), reason, attempts, retryable }) => {
+                            // Commit what precedes the failing message, dead-letter (or park) it, then go on
+                            // after it.
                             let index = range.start + at;
                             steps.push_front(Step::Range(index + 1..range.end));
-                            steps.push_front(Step::DeadLetter { index, reason, attempts });
+                            steps.push_front(Step::DeadLetter { index, reason, attempts, retryable });
                             steps.push_front(Step::Range(range.start..index));
                         }
-                        Err(Isolate { at: None, reason, attempts }) if range.len() == 1 => {
-                            steps.push_front(Step::DeadLetter { index: range.start, reason, attempts });
+                        Err(Isolate { at: None, reason, attempts, retryable }) if range.len() == 1 => {
+                            steps.push_front(Step::DeadLetter { index: range.start, reason, attempts, retryable });
                         }
                         Err(Isolate { at: None, .. }) => {
                             // The failure cannot be pinned on one message: one message per transaction finds it.
@@ -250,12 +275,15 @@ impl<DB: Backend> Engine<DB> {
             Err((attempts, failure)) => match failure {
                 Failure::Handler { error: HandlerError::TransactionAborted(reason), .. } => {
                     // Not this message's fault: the batch is re-run one message per transaction.
-                    Ok(Err(Isolate { at: None, reason, attempts }))
+                    Ok(Err(Isolate { at: None, reason, attempts, retryable: false }))
                 }
-                Failure::Handler { at, error } => Ok(Err(Isolate { at, reason: error.reason().to_owned(), attempts })),
+                Failure::Handler { at, error } => {
+                    let retryable = matches!(error, HandlerError::Retryable(_));
+                    Ok(Err(Isolate { at, reason: error.reason().to_owned(), attempts, retryable }))
+                }
                 Failure::Ended => {
                     let reason = HandlerError::ended_transaction().reason().to_owned();
-                    Ok(Err(Isolate { at: None, reason, attempts }))
+                    Ok(Err(Isolate { at: None, reason, attempts, retryable: false }))
                 }
                 Failure::Database(error) => Err(error.into()),
                 // `Stopped`: the consumer stops. `Again` is never final: the retry loop runs it again.

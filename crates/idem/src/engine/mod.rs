@@ -15,6 +15,7 @@ mod batch;
 mod flow;
 mod housekeeping;
 mod outcome;
+mod parked;
 mod retry;
 mod run;
 mod transaction;
@@ -38,6 +39,7 @@ use apply::{Marked, PerBatch, PerBatchRef, PerMessage};
 pub(crate) use apply::{PerMessageRef, Process};
 pub use flow::Stalled;
 pub use outcome::{Committed, Health, Outcome, Stats, StatsSnapshot};
+pub(crate) use parked::now_ms;
 pub(crate) use retry::{One, Retrying, Shutdown, retry};
 pub(crate) use transaction::{End, Failure, check_intact, commit_failed};
 

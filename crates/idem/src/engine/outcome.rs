@@ -26,11 +26,14 @@ pub enum Outcome {
     /// Not allowed in its entity's current state (a [`crate::guard::StateMachine`] set to reject): committed
     /// with its marker, nothing applied; logged at INFO with the state.
     Rejected,
+    /// Parked for a delayed retry (see [`crate::delayed_retry`]): acknowledged, tried again later, in its key's
+    /// order.
+    Parked,
 }
 
 impl Outcome {
     /// The label used in logs and metrics: `processed`, `duplicate`, `dead_lettered`, `id_reused`, `stale`,
-    /// `rejected`.
+    /// `rejected`, `parked`.
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Processed => "processed",
@@ -39,6 +42,7 @@ impl Outcome {
             Outcome::IdReused => "id_reused",
             Outcome::Stale => "stale",
             Outcome::Rejected => "rejected",
+            Outcome::Parked => "parked",
         }
     }
 
@@ -64,6 +68,7 @@ pub struct Stats {
     pub(super) id_reused: AtomicU64,
     pub(super) stale: AtomicU64,
     pub(super) rejected: AtomicU64,
+    pub(super) parked: AtomicU64,
     pub(super) lost: AtomicU64,
 }
 
@@ -84,6 +89,8 @@ pub struct StatsSnapshot {
     pub stale: u64,
     /// Events a state-machine guard rejected.
     pub rejected: u64,
+    /// Messages parked for a delayed retry.
+    pub parked: u64,
     /// Events never delivered, from holes in producer sequence numbers (see [`crate::gap`]).
     pub lost: u64,
 }
@@ -99,6 +106,7 @@ impl Stats {
             id_reused: self.id_reused.load(Ordering::Relaxed),
             stale: self.stale.load(Ordering::Relaxed),
             rejected: self.rejected.load(Ordering::Relaxed),
+            parked: self.parked.load(Ordering::Relaxed),
             lost: self.lost.load(Ordering::Relaxed),
         }
     }
@@ -111,6 +119,7 @@ impl Stats {
             Outcome::IdReused => &self.id_reused,
             Outcome::Stale => &self.stale,
             Outcome::Rejected => &self.rejected,
+            Outcome::Parked => &self.parked,
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -156,6 +165,8 @@ pub struct Committed {
     pub stale: u64,
     /// Events a state-machine guard rejected (committed, nothing applied).
     pub rejected: u64,
+    /// Messages parked for a delayed retry.
+    pub parked: u64,
 }
 
 impl<DB: Backend> Engine<DB> {
@@ -166,7 +177,7 @@ impl<DB: Backend> Engine<DB> {
         match outcome {
             Outcome::Processed | Outcome::Stale | Outcome::Rejected => true,
             Outcome::Duplicate => self.inner.config.dedup == crate::config::Dedup::NaturalKey,
-            Outcome::DeadLettered | Outcome::IdReused => false,
+            Outcome::DeadLettered | Outcome::IdReused | Outcome::Parked => false,
         }
     }
 
@@ -183,6 +194,7 @@ impl<DB: Backend> Engine<DB> {
                 Outcome::IdReused => report.id_reused += 1,
                 Outcome::Stale => report.stale += 1,
                 Outcome::Rejected => report.rejected += 1,
+                Outcome::Parked => report.parked += 1,
             }
         }
         for (outcome, n) in [
@@ -192,6 +204,7 @@ impl<DB: Backend> Engine<DB> {
             (Outcome::IdReused, report.id_reused),
             (Outcome::Stale, report.stale),
             (Outcome::Rejected, report.rejected),
+            (Outcome::Parked, report.parked),
         ] {
             if n > 0 {
                 metrics::counter!("events_handled_total", "consumer_group" => self.inner.config.group.clone(),
@@ -238,7 +251,7 @@ impl<DB: Backend> Engine<DB> {
                     partition = m.partition, offset = m.offset, outcome = outcome.as_str(), batch_ms = elapsed_ms, "processed"),
                 // Logged at WARN, with the first delivery's position, where it was detected; a guard's verdict
                 // at INFO, with the versions or the state, by the guard.
-                Outcome::IdReused | Outcome::Stale | Outcome::Rejected => {}
+                Outcome::IdReused | Outcome::Stale | Outcome::Rejected | Outcome::Parked => {}
             }
         }
     }

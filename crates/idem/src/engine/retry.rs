@@ -104,8 +104,8 @@ impl Subject for () {
 
 /// Runs `attempt` until it succeeds, a retry cannot help, or the consumer stops. What each [`Failure`] gets:
 ///
-/// * a retryable handler error: retried up to `max_attempts`, then returned as the handler's permanent failure,
-///   "gave up after N attempts: …";
+/// * a retryable handler error: retried up to `max_attempts`, then returned, still retryable (for the delayed
+///   tier), as "gave up after N attempts: …";
 /// * a transient error of idem's own statements (an outage): retried without limit, never counted against the
 ///   message;
 /// * `Again` (the state the attempt read changed under it): run again at once, uncounted;
@@ -131,8 +131,9 @@ where
             }
             Err(Failure::Handler { at, error: HandlerError::Retryable(reason) }) => {
                 if attempts >= config.max_attempts {
+                    // Still retryable: a second tier (delayed retries) may take it from here.
                     let reason = format!("gave up after {attempts} attempts: {reason}");
-                    return Err((attempts, Failure::Handler { at, error: HandlerError::Permanent(reason) }));
+                    return Err((attempts, Failure::Handler { at, error: HandlerError::Retryable(reason) }));
                 }
                 let delay = config.backoff.after(attempts);
                 let (at, messages) = retrying.subject.locate(at);
@@ -229,7 +230,7 @@ mod tests {
         })
         .await;
         match result {
-            Err((attempts, Failure::Handler { error: HandlerError::Permanent(reason), .. })) => {
+            Err((attempts, Failure::Handler { error: HandlerError::Retryable(reason), .. })) => {
                 assert_eq!(attempts, 3);
                 assert!(reason.starts_with("gave up after 3 attempts"), "{reason}");
             }

@@ -61,6 +61,12 @@ impl<DB: Backend> Engine<DB> {
         let lanes = &self.inner.lanes;
         lanes.reset();
         let stalls = AbortOnDrop(tokio::spawn(self.clone().watch_stalls(Arc::clone(&source))));
+        // Delayed retries: the parked messages are tried again beside the partitions, which never wait for them.
+        let releasing = Shutdown::default();
+        let release = self.inner.config.delayed_retries.is_some().then(|| {
+            let (apply, engine, stop) = (Arc::clone(&apply), self.clone(), releasing.clone());
+            AbortOnDrop(tokio::spawn(async move { apply.release_parked(engine, stop).await }))
+        });
         let mut workers: HashMap<Partition, Worker> = HashMap::new();
         let mut source_failures = 0u32;
         let stop_reason: Result<(), Error> = 'poll: loop {
@@ -131,6 +137,11 @@ impl<DB: Backend> Engine<DB> {
             }
         };
         self.inner.draining.store(true, Ordering::SeqCst);
+        // The delayed retry in hand finishes (or its lease makes it due again later); none starts after this.
+        releasing.trigger();
+        if let Some(release) = release {
+            release.finish().await;
+        }
         let mut first_error = stop_reason.err();
         for (partition, worker) in workers.drain() {
             if let Err(error) = worker.finish().await {
@@ -301,6 +312,11 @@ impl Drop for PanicGuard {
 struct AbortOnDrop(JoinHandle<()>);
 
 impl AbortOnDrop {
+    /// Waits for the task to end by itself (it was told to stop).
+    async fn finish(mut self) {
+        let _ = (&mut self.0).await;
+    }
+
     /// Aborts the task and waits until it is gone, with everything it held.
     async fn stop(mut self) {
         self.0.abort();

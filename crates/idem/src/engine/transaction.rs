@@ -197,7 +197,7 @@ impl<DB: Backend> Engine<DB> {
         Ok(outcomes)
     }
 
-    async fn claim_and_apply<A: Apply<DB>>(
+    pub(super) async fn claim_and_apply<A: Apply<DB>>(
         &self,
         tx: &mut DB::Connection,
         items: &[Item],

@@ -209,6 +209,14 @@ impl SequentialInbox {
                     .into(),
             ));
         }
+        if engine.config().delayed_retries.is_some() {
+            return Err(Error::Config(
+                "the Sequential Inbox keeps its own WAITING messages and releases them in its declared order; it does \
+                 not park: build its engine without `Config::delayed_retries` (a released message that fails is \
+                 FAILED, and `idem inbox release` retries it)"
+                    .into(),
+            ));
+        }
         let mut index = HashMap::new();
         for (s, sequence) in config.sequences.iter().enumerate() {
             for (t, message_type) in sequence.types.iter().enumerate() {

@@ -9,6 +9,7 @@ pub(crate) mod connect;
 mod dead_letter_row;
 mod headers;
 mod migrate;
+pub mod parking;
 
 pub mod mysql;
 pub mod postgres;
@@ -197,13 +198,13 @@ pub trait Operations: Store {
     ) -> impl Future<Output = Result<Vec<(i32, i64)>, Error>> + Send;
 }
 
-/// A store idem consumes into and operates on: [`Store`] and [`Operations`] together.
-pub trait Backend: Store + Operations {
+/// A store idem consumes into and operates on: [`Store`], [`Operations`] and [`parking::Parking`] together.
+pub trait Backend: Store + Operations + parking::Parking {
     /// `postgres` or `sqlite` ([`Store::NAME`]).
     const NAME: &'static str;
 }
 
-impl<DB: Store + Operations> Backend for DB {
+impl<DB: Store + Operations + parking::Parking> Backend for DB {
     const NAME: &'static str = <DB as Store>::NAME;
 }
 

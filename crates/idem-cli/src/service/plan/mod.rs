@@ -193,6 +193,17 @@ fn consumer_plan(
             config = config.stall_after(d);
         }
     }
+    if let Some(spanned) = &c.delayed_retries {
+        let file = spanned.get_ref();
+        let parsed = idem::DelayedRetries::parse(&file.schedule).and_then(|retries| match &file.order {
+            Some(order) => idem::ParkOrder::parse(order).map(|order| retries.order(order)),
+            None => Ok(retries),
+        });
+        match parsed {
+            Ok(retries) => config = config.delayed_retries(retries),
+            Err(e) => problems.at(spanned, &here("delayed_retries"), e.to_string()),
+        }
+    }
     if let Some(r) = &c.marker_retention
         && let Some(d) = duration(problems, r, &here("marker_retention"))
     {
@@ -288,6 +299,13 @@ fn consumer_plan(
                 &here("inbox"),
                 "the Sequential Inbox hands over one event at a time: declare the \
                  statements as [[consumer.effect]], not [[consumer.bulk]]",
+            );
+        }
+        if c.delayed_retries.is_some() {
+            problems.line(
+                line,
+                &here("delayed_retries"),
+                "the Sequential Inbox keeps its own waiting messages and does not park: remove delayed_retries                  from this consumer",
             );
         }
         let text = toml::to_string(table.get_ref()).unwrap_or_default();

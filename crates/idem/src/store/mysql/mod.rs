@@ -39,10 +39,11 @@ use crate::store::{
 
 mod outbox;
 
-static MIGRATIONS: [Migration; 3] = [
+static MIGRATIONS: [Migration; 4] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "outbox", sql: include_str!("sql/0003_outbox.sql") },
+    Migration { version: 4, name: "parked_messages", sql: include_str!("sql/0004_parked_messages.sql") },
 ];
 
 /// The oldest servers this store is written for and tested against: MySQL 8.0 and MariaDB 10.6 (recursive
@@ -314,6 +315,8 @@ pub(crate) fn connect_fix(error: &dyn sqlx::error::DatabaseError) -> Option<&'st
         _ => return None,
     })
 }
+
+crate::store::parking::impl_parking!(MySql, crate::store::parking::Style::MySql, each);
 
 impl Operations for MySql {
     async fn stats(pool: &sqlx::MySqlPool, tables: &Tables, group: Option<&str>) -> Result<Vec<GroupStats>, Error> {

@@ -16,12 +16,13 @@ use crate::store::{
     judge_existing, payload_digest,
 };
 
-static MIGRATIONS: [Migration; 5] = [
+static MIGRATIONS: [Migration; 6] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "payload_digest", sql: include_str!("sql/0003_payload_digest.sql") },
     Migration { version: 4, name: "sequential_inbox", sql: include_str!("sql/0004_sequential_inbox.sql") },
     Migration { version: 5, name: "outbox", sql: include_str!("sql/0005_outbox.sql") },
+    Migration { version: 6, name: "parked_messages", sql: include_str!("sql/0006_parked_messages.sql") },
 ];
 
 /// A stored marker as the reuse check reads it: event id, payload digest, topic, partition, offset.
@@ -241,6 +242,8 @@ fn sql_state(error: &sqlx::Error) -> Option<&str> {
         _ => None,
     }
 }
+
+crate::store::parking::impl_parking!(Postgres, crate::store::parking::Style::Postgres, array);
 
 impl Operations for Postgres {
     async fn stats(pool: &sqlx::PgPool, tables: &Tables, group: Option<&str>) -> Result<Vec<GroupStats>, Error> {

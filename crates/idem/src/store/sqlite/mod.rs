@@ -11,11 +11,12 @@ use crate::store::{
     judge_existing, payload_digest,
 };
 
-static MIGRATIONS: [Migration; 4] = [
+static MIGRATIONS: [Migration; 5] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "payload_digest", sql: include_str!("sql/0003_payload_digest.sql") },
     Migration { version: 4, name: "outbox", sql: include_str!("sql/0004_outbox.sql") },
+    Migration { version: 5, name: "parked_messages", sql: include_str!("sql/0005_parked_messages.sql") },
 ];
 
 impl Store for Sqlite {
@@ -124,6 +125,8 @@ impl Store for Sqlite {
         .await
     }
 }
+
+crate::store::parking::impl_parking!(Sqlite, crate::store::parking::Style::Sqlite, each);
 
 impl Operations for Sqlite {
     async fn stats(pool: &sqlx::SqlitePool, tables: &Tables, group: Option<&str>) -> Result<Vec<GroupStats>, Error> {

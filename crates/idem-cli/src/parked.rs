@@ -1,0 +1,156 @@
+//! `idem parked …`: the messages parked for delayed retries (see `idem::delayed_retry`): list them, make them due
+//! now, discard them into the dead letters.
+
+use std::process::ExitCode;
+
+use anyhow::bail;
+use clap::Subcommand;
+
+use crate::DbArgs;
+use crate::db::Db;
+use crate::with_pool;
+
+/// `idem parked …`.
+#[derive(Subcommand, Debug)]
+pub enum ParkedCommand {
+    /// Parked messages in arrival order: each key's first one is the one its delayed retries try, the others of
+    /// its key wait behind it.
+    List {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Only this consumer group.
+        #[arg(long)]
+        group: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// Print one JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Make parked messages due now (after a fix): a running consumer tries them at its next look, each key in
+    /// order.
+    RetryNow {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Parked message ids (see `list`).
+        ids: Vec<i64>,
+        /// Every parked message (of --group, if given).
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+        /// Only this consumer group (with --all).
+        #[arg(long)]
+        group: Option<String>,
+    },
+    /// Give up on parked messages: each becomes a dead letter that says who discarded it, why, and its history
+    /// (replayable like any dead letter); the next message of its key goes on.
+    Discard {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Parked message ids (see `list`).
+        #[arg(required = true)]
+        ids: Vec<i64>,
+        /// Why: kept in the dead letter's reason.
+        #[arg(long)]
+        reason: String,
+        /// Who: kept in the dead letter's reason (default: the operating-system user).
+        #[arg(long = "as")]
+        by: Option<String>,
+    },
+}
+
+/// Runs an `idem parked` command.
+pub async fn run(command: ParkedCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        ParkedCommand::List { db, group, limit, json } => {
+            let (pool, tables) = Db::open_with(&db, "parked_messages").await?;
+            let parked =
+                with_pool!(&pool, pool => idem::delayed_retry::list(pool, &tables, group.as_deref(), limit).await?);
+            if json {
+                let rows: Vec<serde_json::Value> = parked
+                    .iter()
+                    .map(|p| {
+                        serde_json::json!({
+                            "id": p.id, "consumer_group": p.consumer_group, "event_id": p.event_id,
+                            "topic": p.topic, "partition": p.partition, "offset": p.offset,
+                            "key": p.key.as_deref().map(String::from_utf8_lossy),
+                            "payload": String::from_utf8_lossy(&p.payload), "attempts": p.attempts,
+                            "delayed_retries": p.delayed_retries, "error": p.error,
+                            "history": p.history.lines().filter_map(|l| serde_json::from_str(l).ok())
+                                .collect::<Vec<serde_json::Value>>(),
+                            "parked_at": idem::store::rfc3339_from_ms(p.parked_at),
+                            "due_at": idem::store::rfc3339_from_ms(p.due_at),
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string(&rows)?);
+            } else if parked.is_empty() {
+                println!("no parked messages");
+            } else {
+                println!(
+                    "{:>6} {:<20} {:<24} {:<28} {:>8} {:>7} {:<24}  last error",
+                    "id", "group", "event_id", "position", "attempts", "delayed", "due"
+                );
+                for p in &parked {
+                    let position = format!("{}/{}@{}", p.topic, p.partition, p.offset);
+                    println!(
+                        "{:>6} {:<20} {:<24} {:<28} {:>8} {:>7} {:<24}  {}",
+                        p.id,
+                        p.consumer_group,
+                        p.event_id,
+                        position,
+                        p.attempts,
+                        p.delayed_retries,
+                        idem::store::rfc3339_from_ms(p.due_at),
+                        p.error.as_deref().unwrap_or("(waits behind its key)")
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        ParkedCommand::RetryNow { db, ids, all, group } => {
+            if ids.is_empty() && !all {
+                bail!("name the parked messages to retry now (ids from `idem parked list`), or pass --all");
+            }
+            let (pool, tables) = Db::open_with(&db, "parked_messages").await?;
+            let mut made_due = 0;
+            if all {
+                made_due = with_pool!(&pool, pool =>
+                    idem::delayed_retry::retry_now(pool, &tables, group.as_deref(), None).await?);
+            }
+            for id in &ids {
+                made_due += with_pool!(&pool, pool =>
+                    idem::delayed_retry::retry_now(pool, &tables, None, Some(*id)).await?);
+            }
+            println!("{made_due} parked message(s) due now; a running consumer tries them at its next look");
+            Ok(ExitCode::SUCCESS)
+        }
+        ParkedCommand::Discard { db, ids, reason, by } => {
+            if reason.trim().is_empty() {
+                bail!("--reason is empty: say why these messages are discarded (it is kept with them)");
+            }
+            let by = by.unwrap_or_else(os_user);
+            let (pool, tables) = Db::open_with(&db, "parked_messages").await?;
+            let mut missing = Vec::new();
+            for id in &ids {
+                let done = with_pool!(&pool, pool =>
+                    idem::delayed_retry::discard(pool, &tables, *id, &by, &reason).await?);
+                if done {
+                    println!("parked message {id} discarded into the dead letters");
+                } else {
+                    missing.push(*id);
+                }
+            }
+            if !missing.is_empty() {
+                eprintln!("not parked (any more): {missing:?}");
+                return Ok(ExitCode::FAILURE);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// The operating-system user running the command, for the record of who acted.
+fn os_user() -> String {
+    std::env::var("USER").or_else(|_| std::env::var("LOGNAME")).unwrap_or_else(|_| "unknown".to_owned())
+}
