@@ -124,3 +124,103 @@ async fn list_retry_now_and_discard_parked_messages() {
     assert_eq!(parked.as_array().unwrap().len(), 0, "{parked:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// SIGKILL at commits of every kind while some credits of 150 accounts fail for a few seconds: the parking of a
+/// failing credit,
+/// of the credits parked behind it, the releases and the last dead letters. Workers with delayed retries are
+/// killed at one commit after another (before it and after it), then one runs until nothing is parked: the
+/// ledger is exact, every account's credits are in production order, and nothing but the poison messages is a
+/// dead letter.
+#[test]
+fn parking_and_releasing_survive_sigkill() {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let dir = std::env::temp_dir().join(format!("idem-cli-parked-kill-{}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}/ledger.db", dir.display());
+    let log_dir = dir.join("log").display().to_string();
+    let run = |args: &[&str]| {
+        let out = idem().args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    run(&["demo-prepare", "--database-url", &url]);
+    let plan: Value = serde_json::from_str(
+        run(&["demo-produce", "--log-dir", &log_dir, "--events", "2000", "--seed", "11", "--partitions", "4"]).trim(),
+    )
+    .unwrap();
+    let now_ms =
+        || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis()) as i64;
+    let until = now_ms() + 8_000;
+    let until_arg = until.to_string();
+    // Accounts 1 to 150 (of the demo's 1,000): every fifth payment of theirs fails, the others would succeed.
+    let flaky: Vec<String> = (1..=150).map(|a: i32| a.to_string()).collect();
+    let flaky = flaky.join(",");
+    let worker = |extra: &[&str]| {
+        let mut command = idem();
+        command.args(["demo-worker", "--log-dir", &log_dir, "--database-url", &url, "--batch-size", "20"]);
+        command.args(["--max-attempts", "2", "--delayed-retries", "1s", "--flaky-accounts", &flaky]);
+        command.args(["--flaky-until-ms", &until_arg]);
+        command.args(extra);
+        command
+    };
+    use std::os::unix::process::ExitStatusExt;
+    let mut killed = 0;
+    for point in ["after-commit:3", "before-commit:8", "after-commit:25", "after-commit:2", "before-commit:40"] {
+        let status = worker(&["--fault", point]).stdout(std::process::Stdio::null()).status().unwrap();
+        killed += usize::from(status.signal() == Some(9));
+        assert!(status.success() || status.signal() == Some(9), "{point}: {status:?}");
+    }
+    assert!(killed >= 3, "the workers were killed at their fault points ({killed} of 5)");
+    let parked_now = json(&["parked", "list", "--database-url", &url, "--table-prefix", "idem_demo_", "--json"]);
+    assert!(!parked_now.as_array().unwrap().is_empty(), "the flaky accounts' credits are parked: {parked_now}");
+
+    // After the accounts clear, one worker runs until every credit is applied and nothing is parked.
+    while now_ms() < until {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut last = worker(&["--follow"]).stdout(std::process::Stdio::null()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let parked = json(&["parked", "list", "--database-url", &url, "--table-prefix", "idem_demo_", "--json"]);
+        let stats = json(&["stats", "--database-url", &url, "--table-prefix", "idem_demo_", "--json"]);
+        let markers = stats.as_array().unwrap().iter().map(|g| g["markers"].as_i64().unwrap_or(0)).sum::<i64>();
+        let expected_markers = plan["expected_entries"].as_i64().unwrap() + plan["poison_with_key"].as_i64().unwrap();
+        if parked.as_array().unwrap().is_empty() && markers == expected_markers {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not settled: {parked} {stats}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Command::new("kill").args(["-TERM", &last.id().to_string()]).status().unwrap();
+    assert!(last.wait().unwrap().success());
+
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let pool = idem::sqlite::connect(&url).await.unwrap();
+        let (entries, total): (i64, i64) =
+            sqlx::query_as("SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM idem_demo_ledger")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(entries, plan["expected_entries"].as_i64().unwrap(), "every credit once");
+        assert_eq!(total, plan["expected_total_cents"].as_i64().unwrap(), "to the cent");
+        let out_of_order: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM idem_demo_ledger a JOIN idem_demo_ledger b
+                ON a.account = b.account AND a.rowid < b.rowid AND a.event_id > b.event_id",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(out_of_order, 0, "an account's credits applied out of production order");
+        let flaky: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idem_demo_ledger WHERE account <= 150")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert!(flaky > 0, "the flaky accounts had credits");
+        let letters: Vec<String> =
+            sqlx::query_scalar("SELECT error FROM idem_demo_dead_letters").fetch_all(&pool).await.unwrap();
+        assert_eq!(letters.len() as i64, plan["poison"].as_i64().unwrap(), "only the poison messages: {letters:?}");
+        pool.close().await;
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}

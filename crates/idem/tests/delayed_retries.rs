@@ -1,6 +1,7 @@
-//! Delayed retries: one key whose handler fails for a while, over many keys on the embedded log. The failing
-//! message is parked after its immediate retries and acknowledged, the later messages of its key are parked
-//! behind it, and every other key — those of its own partition too — is applied to its end while it fails. Once
+//! Delayed retries: one message whose handler fails for a while, over many keys on the embedded log. The failing
+//! message is parked after its immediate retries and acknowledged, the later messages of its key (which would
+//! succeed) are parked behind it, and every other key — those of its own partition too — is applied to its end
+//! while it fails. Once
 //! the failure clears, the key's events are applied in their order, each once, and nothing is dead-lettered. On
 //! PostgreSQL, SQLite and MySQL/MariaDB.
 
@@ -33,7 +34,8 @@ struct Payment {
 impl Flaky {
     fn check(&self, event: &Event) -> Result<Payment, HandlerError> {
         let p: Payment = event.json()?;
-        if p.key == BAD_KEY && self.failing.load(Ordering::SeqCst) {
+        // Only the key's first event fails: the later ones must wait behind it, not overtake it.
+        if p.key == BAD_KEY && p.seq == 1 && self.failing.load(Ordering::SeqCst) {
             return Err(HandlerError::retryable("account row locked (lock_timeout)"));
         }
         Ok(p)
@@ -135,6 +137,8 @@ where
     assert_eq!(count(&pool, &sql).await, 0, "{what}: the failing key applied nothing while it failed");
     let parked = count(&pool, "SELECT COUNT(*) FROM parked_messages").await;
     assert_eq!(parked, bad_events, "{what}: the failing message and every later one of its key are parked");
+    let never_tried = count(&pool, "SELECT COUNT(*) FROM parked_messages WHERE error IS NULL").await;
+    assert_eq!(never_tried, bad_events - 1, "{what}: the later ones wait behind it, untried");
     let tried = count(&pool, "SELECT COUNT(*) FROM parked_messages WHERE delayed_retries >= 1").await;
     assert!(tried >= 1, "{what}: the head was tried again on its schedule");
     assert_eq!(count(&pool, "SELECT COUNT(*) FROM dead_letters").await, 0, "{what}: nothing dead-lettered");

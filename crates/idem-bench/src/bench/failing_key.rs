@@ -1,7 +1,8 @@
 //! One failing key: the per-event workload on the embedded log over 4 partitions (by account), batched 100, where
-//! the account of the first event fails retryably (a locked row) until every other partition is applied, against
-//! the same run without the failure. The figure is the other partitions' rate: a partition that retries must
-//! not slow the others down.
+//! the account of the first event fails retryably (a locked row) until the events counted are applied, against
+//! the same run without the failure. Without delayed retries the figure is the other partitions' rate (a
+//! partition that retries must not slow the others down); with them, the other keys' rate, the failing key's own
+//! partition included (its message is parked, its partition goes on).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -12,11 +13,45 @@ use super::*;
 const PARTITIONS: i32 = 4;
 const BATCH: usize = 100;
 
-/// Credits an account; fails retryably for `account` while `failing` is set. Counts the events it applied in
-/// partitions other than `held` (they never roll back: only the held partition fails).
+/// What a run of the leg does and counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// The key fails, immediate retries only: its partition waits; the other partitions are counted.
+    Held,
+    /// No failure: the same partitions counted.
+    HeldControl,
+    /// The key fails, with delayed retries: it is parked; every other key is counted.
+    Parked,
+    /// No failure: every key but that one counted.
+    ParkedControl,
+}
+
+impl Mode {
+    /// The leg's name.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Mode::Held => FAILING,
+            Mode::HeldControl => CONTROL,
+            Mode::Parked => PARKED,
+            Mode::ParkedControl => PARKED_CONTROL,
+        }
+    }
+
+    fn fails(self) -> bool {
+        matches!(self, Mode::Held | Mode::Parked)
+    }
+
+    fn by_key(self) -> bool {
+        matches!(self, Mode::Parked | Mode::ParkedControl)
+    }
+}
+
+/// Credits an account; fails retryably for `account` while `failing` is set. Counts the events it applied that
+/// the run counts (they never roll back: only the failing account fails).
 struct LockedAccount {
     account: i64,
     held: i32,
+    by_key: bool,
     failing: Arc<AtomicBool>,
     others_applied: Arc<AtomicU64>,
 }
@@ -32,7 +67,8 @@ impl Handler<sqlx::Postgres> for LockedAccount {
             .bind(c.account)
             .execute(&mut *tx)
             .await?;
-        if event.message.partition != self.held {
+        let counted = if self.by_key { c.account != self.account } else { event.message.partition != self.held };
+        if counted {
             self.others_applied.fetch_add(1, Ordering::SeqCst);
         }
         Ok(())
@@ -42,16 +78,19 @@ impl Handler<sqlx::Postgres> for LockedAccount {
 /// The leg's names: with the failure, and the control run.
 pub(super) const FAILING: &str = "one key failing, rate of the other partitions (embedded log)";
 pub(super) const CONTROL: &str = "no key failing, rate of the same partitions (embedded log)";
+pub(super) const PARKED: &str = "one key failing with delayed retries, rate of the other keys (embedded log)";
+pub(super) const PARKED_CONTROL: &str = "no key failing, rate of the same keys (embedded log)";
 
 /// One run: the other partitions' events per second, and (for the check) the whole ledger applied at the end.
 pub(super) async fn failing_key_leg(
     pool: &PgPool,
     args: &BenchArgs,
     work: &Workload,
-    fail: bool,
+    mode: Mode,
 ) -> anyhow::Result<f64> {
+    let fail = mode.fails();
     let tables = fresh_tables(pool, args.accounts).await?;
-    let dir = std::env::temp_dir().join(format!("idem-bench-failing-{}-{fail}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("idem-bench-failing-{}-{mode:?}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let log = idem::embedded::EmbeddedLog::open(&dir)?;
     log.create_topic(TOPIC, PARTITIONS)?;
@@ -63,7 +102,7 @@ pub(super) async fn failing_key_leg(
     for p in &work.deliveries {
         let partition = (p.account % i64::from(PARTITIONS)) as i32;
         producer.send_to(TOPIC, partition, Some(p.account.to_string().as_bytes()), payload(p).as_bytes(), &[])?;
-        if partition != held {
+        if (mode.by_key() && p.account != account) || (!mode.by_key() && partition != held) {
             others.insert(p.id.clone());
             others_deliveries += 1;
         }
@@ -75,15 +114,25 @@ pub(super) async fn failing_key_leg(
     let config = Config::new(GROUP, KeyExtractor::JsonPointer("/id".into()))
         .batch_size(BATCH)
         .tables(tables)
-        .max_attempts(1_000_000)
         .backoff(Duration::from_millis(50), Duration::from_secs(1));
+    let config = if mode.by_key() {
+        // Parked after three attempts; tried again every second until the failure clears.
+        config.max_attempts(3).delayed_retries(idem::DelayedRetries::new(vec![Duration::from_secs(1); 600]))
+    } else {
+        config.max_attempts(1_000_000)
+    };
     let engine = Engine::new(engine_pool.clone(), config)?;
     let options = idem::embedded::ConsumerOptions { stop_at_end: true, ..Default::default() };
     let source = log.consumer(GROUP, &[TOPIC], options)?;
     let failing = Arc::new(AtomicBool::new(fail));
     let others_applied = Arc::new(AtomicU64::new(0));
-    let handler =
-        LockedAccount { account, held, failing: Arc::clone(&failing), others_applied: Arc::clone(&others_applied) };
+    let handler = LockedAccount {
+        account,
+        held,
+        by_key: mode.by_key(),
+        failing: Arc::clone(&failing),
+        others_applied: Arc::clone(&others_applied),
+    };
     let started = Instant::now();
     let run = tokio::spawn({
         let engine = engine.clone();
@@ -93,13 +142,27 @@ pub(super) async fn failing_key_leg(
     let deadline = started + Duration::from_secs(600);
     while others_applied.load(Ordering::SeqCst) < others_unique {
         if run.is_finished() || Instant::now() > deadline {
-            bail!("{}: the other partitions were not applied", if fail { FAILING } else { CONTROL });
+            bail!("{}: the events counted were not applied", mode.name());
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let seconds = started.elapsed().as_secs_f64();
     failing.store(false, Ordering::SeqCst);
-    let stats = run.await??;
+    // With delayed retries the source's end is not the run's: the parked key is released after it.
+    let stats = if mode.by_key() {
+        let engine = engine.clone();
+        let wait = async move {
+            while engine.stats().processed < work.unique {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(120), wait)
+            .await
+            .map_err(|_| anyhow::anyhow!("parked key not released"))?;
+        run.await??
+    } else {
+        run.await??
+    };
     engine_pool.close().await;
     let _ = std::fs::remove_dir_all(&dir);
     if stats.processed != work.unique {

@@ -250,12 +250,14 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
             legs.push(Leg::new(name, runs));
         }
     }
-    for (name, fail) in [(failing_key::FAILING, true), (failing_key::CONTROL, false)] {
+    use failing_key::Mode;
+    for mode in [Mode::Held, Mode::HeldControl, Mode::Parked, Mode::ParkedControl] {
+        let name = mode.name();
         if wanted(name) {
             progress(name);
             let mut runs = Vec::new();
             for _ in 0..args.runs {
-                runs.push(failing_key::failing_key_leg(&pool, &args, &work, fail).await?);
+                runs.push(failing_key::failing_key_leg(&pool, &args, &work, mode).await?);
             }
             legs.push(Leg::new(name.to_owned(), runs));
         }

@@ -33,6 +33,11 @@ pub(super) fn ratios(legs: &[Leg]) -> Vec<(String, f64)> {
         median(super::failing_key::FAILING),
         median(super::failing_key::CONTROL),
     );
+    ratio(
+        "other keys with one key failing, delayed retries ÷ without the failure".into(),
+        median(super::failing_key::PARKED),
+        median(super::failing_key::PARKED_CONTROL),
+    );
     let reference = median("reference handler (Python, psycopg 3)");
     for batch in [100, 1_000] {
         let per_message = median(&format!("idem batched {batch}, per-message handler"));

@@ -114,6 +114,21 @@ pub struct WorkerArgs {
     /// test uses it).
     #[arg(long, default_value_t = 0, hide = true)]
     handler_delay_ms: u64,
+    /// Attempts of a batch that fails retryably before its message is dead-lettered (or parked).
+    #[arg(long, default_value_t = 10)]
+    max_attempts: u32,
+    /// Delayed retries after the immediate ones, as a schedule (`1s,5s,30s`): a message that still fails is
+    /// parked and its partition goes on (see `idem parked`).
+    #[arg(long, value_delimiter = ',')]
+    delayed_retries: Vec<String>,
+    /// Accounts some of whose credits (every fifth payment) fail retryably, as if a row they reference had not
+    /// arrived yet, until --flaky-until-ms; their other credits succeed (the delayed retries' tests and the chaos
+    /// harness).
+    #[arg(long, value_delimiter = ',', hide = true)]
+    flaky_accounts: Vec<i64>,
+    /// When the flaky accounts clear, in milliseconds since the epoch: the same moment for every worker process.
+    #[arg(long, default_value_t = 0, hide = true)]
+    flaky_until_ms: i64,
 }
 
 /// One line of a consumer's stdout: what one transaction committed.
@@ -147,14 +162,20 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     } else {
         KeyExtractor::JsonPointer("/idempotencyKey".into())
     };
-    let config = Config::new(args.group.clone(), key).batch_size(args.batch_size).tables(Tables::new(None, PREFIX)?);
+    let mut config =
+        Config::new(args.group.clone(), key).batch_size(args.batch_size).tables(Tables::new(None, PREFIX)?);
+    config = config.max_attempts(args.max_attempts);
+    if !args.delayed_retries.is_empty() {
+        config = config.delayed_retries(idem::DelayedRetries::parse(&args.delayed_retries)?);
+    }
     let db = Db::open(&args.database_url, args.connections).await?;
     let stage = match (&args.announce, args.second_ledger) {
         (Some(topic), _) => Stage::Announce(topic.clone()),
         (None, true) => Stage::Second,
         (None, false) => Stage::Credit,
     };
-    let credit = Credit { delay: std::time::Duration::from_millis(args.handler_delay_ms), stage };
+    let flaky = Flaky { accounts: args.flaky_accounts.clone(), until_ms: args.flaky_until_ms };
+    let credit = Credit { delay: std::time::Duration::from_millis(args.handler_delay_ms), stage, flaky };
     if let Some(url) = &args.nats {
         return nats(url, &args, config, db, credit, signals).await;
     }
@@ -374,6 +395,32 @@ struct Credit {
     delay: std::time::Duration,
     /// Which of the chain demo's stages this consumer is (or the plain demo's).
     stage: Stage,
+    /// Accounts that fail for a while (none but in tests).
+    flaky: Flaky,
+}
+
+/// Accounts some of whose credits fail retryably until a moment every worker process agrees on: those whose
+/// payment number (`pay-000000045`) is a multiple of five.
+#[derive(Default)]
+struct Flaky {
+    accounts: Vec<i64>,
+    until_ms: i64,
+}
+
+impl Flaky {
+    fn check(&self, account: i64, event_id: &str) -> Result<(), HandlerError> {
+        if !self.accounts.contains(&account) {
+            return Ok(());
+        }
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+        let number = event_id.trim_start_matches("pay-").parse::<u64>().unwrap_or(1);
+        if number % 5 == 0 && (now as i64) < self.until_ms {
+            return Err(HandlerError::retryable(format!(
+                "payment {event_id} of account {account} references a row not there yet (the demo's flaky accounts)"
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// What a demo consumer does with an event.
@@ -439,6 +486,7 @@ macro_rules! credit_handler {
                     return Ok(());
                 }
                 let p: Payment = event.json()?;
+                self.flaky.check(p.account, &event.id)?;
                 sqlx::query(INSERT_ENTRY).bind(&event.id).bind(p.account).bind(p.amount).execute(&mut *tx).await?;
                 let seq: Option<i64> =
                     sqlx::query_scalar(CREDIT).bind(p.amount).bind(p.account).fetch_optional(&mut *tx).await?;
@@ -495,6 +543,7 @@ impl Handler<sqlx::MySql> for Credit {
             return Ok(());
         }
         let p: Payment = event.json()?;
+        self.flaky.check(p.account, &event.id)?;
         sqlx::query("INSERT INTO idem_demo_ledger (event_id, account, amount) VALUES (?, ?, ?)")
             .bind(&event.id)
             .bind(p.account)
@@ -533,7 +582,7 @@ mod kit {
     use idem::testing::DuplicateKit;
     use idem::{Config, KeyExtractor, Message, Tables};
 
-    use super::{Credit, PREFIX, Stage};
+    use super::{Credit, Flaky, PREFIX, Stage};
     use crate::db::Db;
 
     fn payments() -> Vec<Message> {
@@ -567,7 +616,8 @@ mod kit {
                     async |conn| sqlx::query_as::<_, (i64, i64, i64, i64)>(SNAPSHOT).fetch_all(conn).await,
                 )
                 .shuffle_by(KeyExtractor::JsonPointer("/account".into()));
-                let handler = Credit { delay: std::time::Duration::ZERO, stage: Stage::Credit };
+                let handler =
+                    Credit { delay: std::time::Duration::ZERO, stage: Stage::Credit, flaky: Flaky::default() };
                 let report = kit.check(&handler, &payments()).await.expect("kit");
                 pool.close().await;
                 drop_database(&url).await;
