@@ -17,6 +17,12 @@ files) while a worker starts, then lets them go for the next one.
 With --kafka-bin, some trials run over a Kafka-compatible broker (nisshi) that the script starts on a free port,
 and restarts as one more fault.
 
+With --flaky, the workers retry with delayed retries (two immediate attempts, then parked and tried again every
+second, 60 times): every fifth credit of a random set of accounts fails retryably for a random while, so the faults also
+land on parking, on the credits parked behind their account's failing one, and on releases. The final worker
+then follows the log until nothing is parked, and the check adds that every account's credits were applied in
+production order (SQLite: by rowid; PostgreSQL: by inserting transaction) and that nothing is left parked.
+
     scripts/chaos.py --idem target/debug/idem --trials 6 --seed 1
     scripts/chaos.py --idem target/release/idem --trials 1000 --json > chaos.json
 
@@ -419,6 +425,10 @@ class Trial:
         # Network latency through the proxy (PostgreSQL), per forwarded chunk: none in half of the trials.
         self.latency_ms = 0.0 if rng.random() < 0.5 else round(rng.uniform(0.1, 2.0), 2)
         self.chaos_budget = rng.uniform(a.chaos_min, a.chaos_max)  # seconds of faults at most
+        # --flaky: accounts some of whose credits fail for a while (from the start of the faults).
+        self.flaky_accounts = sorted(rng.sample(range(1, 1001), rng.randint(20, 150))) if a.flaky else []
+        self.flaky_for = rng.uniform(0.5, self.chaos_budget + 2) if a.flaky else 0.0
+        self.flaky_until_ms = 0
         self.transport = rng.choice(a.transports) if len(a.transports) > 1 else a.transports[0]
         if self.transport == "kafka":
             # Joining the group takes seconds, and a killed member's partitions move only after its session
@@ -598,6 +608,10 @@ class Trial:
         ]  # fmt: skip
         if follow:
             cmd.append("--follow")
+        if self.flaky_accounts:
+            cmd += ["--max-attempts", "2", "--delayed-retries", ",".join(["1s"] * 60),
+                    "--flaky-accounts", ",".join(map(str, self.flaky_accounts)),
+                    "--flaky-until-ms", str(self.flaky_until_ms)]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k not in ("IDEM_DATABASE_URL", "IDEM_LOG")}
         env["NO_COLOR"] = "1"
         self.read_reports()
@@ -793,6 +807,7 @@ class Trial:
 
     def chaos(self, deadline):
         start = time.monotonic()
+        self.flaky_until_ms = int((time.time() + self.flaky_for) * 1000)
         end = min(start + self.chaos_budget, deadline)
         for slot in self.slots:
             slot.restart_at = start + self.rng.uniform(0, 0.3)
@@ -850,8 +865,50 @@ class Trial:
                 self.note_exit(slot, code)
             self.stop(slot, grace=5)
 
+    def scalars(self, sql):
+        """The integers of the one row `sql` returns, on the trial's database."""
+        if self.backend == "postgres":
+            return [int(v) for v in self.server.psql(sql, database=self.db_name).strip().split("|")]
+        if self.backend == "mysql":
+            return [int(v) for v in self.server.sql(sql, database=self.db_name).strip().split("\t")]
+        db = sqlite3.connect(f"file:{os.path.join(self.dir, 'ledger.db')}?mode=ro", uri=True, timeout=30)
+        try:
+            return [int(v) for v in db.execute(sql).fetchone()]
+        finally:
+            db.close()
+
+    def final_following(self, deadline):
+        """--flaky: once the accounts clear, one worker follows the log until every credit is applied and nothing is
+        parked (parked credits are released by a running consumer, not at the end of the log), then SIGTERM."""
+        slot = self.slots[0]
+        time.sleep(max(0.0, self.flaky_until_ms / 1000 - time.time()))
+        want = self.plan["expected_entries"] + self.plan["poison_with_key"]
+        sql = "SELECT (SELECT COUNT(*) FROM idem_demo_parked_messages), (SELECT COUNT(*) FROM idem_demo_processed_events)"
+        while time.monotonic() < deadline:
+            self.final_runs += 1
+            self.start(slot, follow=True)
+            while slot.proc.poll() is None and time.monotonic() < deadline:
+                parked, markers = self.scalars(sql)
+                if parked == 0 and markers >= want:
+                    slot.proc.send_signal(signal.SIGTERM)
+                    code = slot.proc.wait(timeout=30)
+                    self.reap(slot)
+                    if code == 0:
+                        return True
+                    self.note_exit(slot, code)
+                    break
+                time.sleep(0.2)
+            code = self.reap(slot)
+            if code is not None and code != 0:
+                self.note_exit(slot, code)
+                time.sleep(0.5)
+        self.kill_all()
+        return False
+
     def final(self, deadline):
         """One worker, no faults, until it exits 0 at the end of the log. False if the deadline passed."""
+        if self.flaky_accounts:
+            return self.final_following(deadline)
         slot = self.slots[0]
         if self.transport == "kafka" and self.last_kill_at is not None:
             # A killed member stays in the group until its session expires; a worker joining before that would
@@ -945,6 +1002,28 @@ class Trial:
             acked = self.committed()
             if acked != p["records"]:
                 mism.append(f"committed offsets {acked} != log records {p['records']}")
+        if self.flaky_accounts:
+            # Production order is the payment number (pay-000000042); application order is the row's insertion
+            # (SQLite's rowid) or its transaction (PostgreSQL's xmin: credits of one account commit one after the
+            # other). MySQL keeps no such order: not checked there.
+            order = {
+                "sqlite": "a.rowid < b.rowid",
+                "postgres": "a.xmin::text::bigint < b.xmin::text::bigint",
+            }.get(self.backend)
+            left = "(SELECT COUNT(*) FROM idem_demo_parked_messages)"
+            if order:
+                out_of_order = (
+                    "(SELECT COUNT(*) FROM idem_demo_ledger a JOIN idem_demo_ledger b"
+                    f" ON a.account = b.account AND {order} AND a.event_id > b.event_id)"
+                )
+                parked_left, res["out_of_order"] = self.scalars(f"SELECT {left}, {out_of_order}")
+            else:
+                (parked_left,) = self.scalars(f"SELECT {left}")
+            res["parked_left"] = parked_left
+            if parked_left:
+                mism.append(f"{parked_left} message(s) still parked")
+            if res.get("out_of_order"):
+                mism.append(f"{res['out_of_order']} pair(s) of an account's credits applied out of production order")
         res["ok"] = not mism
 
     def stderr_tail(self, lines=8):
@@ -1227,6 +1306,12 @@ def parse_args(argv):
     p.add_argument("--keep", action="store_true", help="keep the databases and directories of passing trials too")
     p.add_argument("--verbose", action="store_true", help="print why workers exited, for passing trials too")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
+    p.add_argument(
+        "--flaky",
+        action="store_true",
+        help="workers with delayed retries, some credits of random accounts failing for a random while; checks "
+        "each account's order too",
+    )
     p.add_argument(
         "--kafka-bin",
         metavar="PATH",

@@ -164,9 +164,25 @@ enum DeadLetterCommand {
         /// Only those whose reason contains this text.
         #[arg(long)]
         matching: Option<String>,
+        /// Only those of this failure group (see `groups`).
+        #[arg(long)]
+        fingerprint: Option<String>,
         /// At most this many.
         #[arg(long, default_value_t = 100)]
         limit: i64,
+        /// Print one JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Failure groups: dead letters that failed the same way (the consumer group and the reason with its ids,
+    /// numbers and quoted values stripped), the largest first, with their count, first and last failure and a
+    /// sample reason.
+    Groups {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Only this consumer group.
+        #[arg(long)]
+        group: Option<String>,
         /// Print one JSON array instead of a table.
         #[arg(long)]
         json: bool,
@@ -190,6 +206,9 @@ enum DeadLetterCommand {
         /// tripped the kill switch, for example.
         #[arg(long)]
         matching: Option<String>,
+        /// Every dead letter of this failure group (see `groups`).
+        #[arg(long)]
+        fingerprint: Option<String>,
     },
 }
 
@@ -264,12 +283,25 @@ pub fn main() -> ExitCode {
                     let period = (to == "partitioned").then_some(period);
                     commands::markers_convert(&db, period.as_deref(), create_ahead).await
                 }
-                Command::DeadLetters(DeadLetterCommand::List { db, group, matching, limit, json }) => {
-                    commands::list_dead_letters(&db, group.as_deref(), matching.as_deref(), limit, json).await
+                Command::DeadLetters(DeadLetterCommand::List { db, group, matching, fingerprint, limit, json }) => {
+                    let only = commands::Only {
+                        group: group.as_deref(),
+                        matching: matching.as_deref(),
+                        fingerprint: fingerprint.as_deref(),
+                    };
+                    commands::list_dead_letters(&db, &only, limit, json).await
                 }
-                Command::DeadLetters(DeadLetterCommand::Replay { db, to, ids, all, group, matching }) => {
+                Command::DeadLetters(DeadLetterCommand::Groups { db, group, json }) => {
+                    commands::failure_groups(&db, group.as_deref(), json).await
+                }
+                Command::DeadLetters(DeadLetterCommand::Replay { db, to, ids, all, group, matching, fingerprint }) => {
                     let target = to.target()?;
-                    commands::replay_dead_letters(&db, &target, &ids, all, group.as_deref(), matching.as_deref()).await
+                    let only = commands::Only {
+                        group: group.as_deref(),
+                        matching: matching.as_deref(),
+                        fingerprint: fingerprint.as_deref(),
+                    };
+                    commands::replay_dead_letters(&db, &target, &ids, all, &only).await
                 }
             }
         },

@@ -52,34 +52,85 @@ fn human_duration(seconds: f64) -> String {
 
 /// Dead letters of `group` (every group's when `None`) whose reason contains `matching`, oldest first, at most
 /// `limit`.
-async fn dead_letters(
-    db: &Db,
-    tables: &Tables,
-    group: Option<&str>,
-    matching: Option<&str>,
-    limit: i64,
-) -> anyhow::Result<Vec<DeadLetter>> {
-    let fetch = if matching.is_some() { i64::MAX } else { limit };
-    let letters = with_pool!(db, pool => idem::dead_letter::list(pool, tables, group, fetch).await?);
-    Ok(letters
-        .into_iter()
-        .filter(|l| matching.is_none_or(|text| l.error.contains(text)))
-        .take(usize::try_from(limit).unwrap_or(usize::MAX))
-        .collect())
+/// Which dead letters a command takes: of a consumer group, whose reason holds a text, of a failure group.
+#[derive(Debug, Default)]
+pub struct Only<'a> {
+    /// The consumer group.
+    pub group: Option<&'a str>,
+    /// Text the reason contains.
+    pub matching: Option<&'a str>,
+    /// A failure group's fingerprint (see `idem dead-letters groups`).
+    pub fingerprint: Option<&'a str>,
+}
+
+impl Only<'_> {
+    fn takes(&self, letter: &DeadLetter) -> bool {
+        self.matching.is_none_or(|text| letter.error.contains(text))
+            && self.fingerprint.is_none_or(|f| {
+                idem::dead_letter::groups::fingerprint(&letter.consumer_group, &letter.error) == f.trim()
+            })
+    }
+}
+
+async fn dead_letters(db: &Db, tables: &Tables, only: &Only<'_>, limit: i64) -> anyhow::Result<Vec<DeadLetter>> {
+    let filtered = only.matching.is_some() || only.fingerprint.is_some();
+    let fetch = if filtered { i64::MAX } else { limit };
+    let letters = with_pool!(db, pool => idem::dead_letter::list(pool, tables, only.group, fetch).await?);
+    Ok(letters.into_iter().filter(|l| only.takes(l)).take(usize::try_from(limit).unwrap_or(usize::MAX)).collect())
+}
+
+/// `idem dead-letters groups`.
+pub async fn failure_groups(args: &DbArgs, group: Option<&str>, json: bool) -> anyhow::Result<ExitCode> {
+    let (db, tables) = Db::open_with(args, "dead_letters").await?;
+    let letters = with_pool!(&db, pool => idem::dead_letter::list(pool, &tables, group, i64::MAX).await?);
+    let groups = idem::dead_letter::groups::group(&letters);
+    if json {
+        let rows: Vec<serde_json::Value> = groups
+            .iter()
+            .map(|g| {
+                serde_json::json!({
+                    "fingerprint": g.fingerprint, "consumer_group": g.consumer_group, "pattern": g.pattern,
+                    "count": g.count, "first_failed_at": idem::store::rfc3339_from_ms(g.first_failed_at_ms),
+                    "last_failed_at": idem::store::rfc3339_from_ms(g.last_failed_at_ms), "sample": g.sample,
+                    "ids": g.ids,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string(&rows)?);
+    } else if groups.is_empty() {
+        println!("no dead letters");
+    } else {
+        println!("{:<12} {:<20} {:>6} {:<24} {:<24}  pattern", "fingerprint", "group", "count", "first", "last");
+        for g in &groups {
+            println!(
+                "{:<12} {:<20} {:>6} {:<24} {:<24}  {}",
+                g.fingerprint,
+                g.consumer_group,
+                g.count,
+                idem::store::rfc3339_from_ms(g.first_failed_at_ms),
+                idem::store::rfc3339_from_ms(g.last_failed_at_ms),
+                g.pattern
+            );
+        }
+        println!("replay a group: idem dead-letters replay --fingerprint F (--log-dir DIR | --kafka BROKERS | …)");
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `idem dead-letters list`.
-pub async fn list_dead_letters(
-    args: &DbArgs,
-    group: Option<&str>,
-    matching: Option<&str>,
-    limit: i64,
-    json: bool,
-) -> anyhow::Result<ExitCode> {
+pub async fn list_dead_letters(args: &DbArgs, only: &Only<'_>, limit: i64, json: bool) -> anyhow::Result<ExitCode> {
     let (db, tables) = Db::open_with(args, "dead_letters").await?;
-    let letters = dead_letters(&db, &tables, group, matching, limit).await?;
+    let letters = dead_letters(&db, &tables, only, limit).await?;
     if json {
-        println!("{}", serde_json::to_string(&letters)?);
+        let rows: Vec<serde_json::Value> = letters
+            .iter()
+            .map(|l| {
+                let mut row = serde_json::to_value(l).unwrap_or_default();
+                row["fingerprint"] = idem::dead_letter::groups::fingerprint(&l.consumer_group, &l.error).into();
+                row
+            })
+            .collect();
+        println!("{}", serde_json::to_string(&rows)?);
     } else if letters.is_empty() {
         println!("no dead letters");
     } else {
@@ -162,19 +213,19 @@ pub async fn replay_dead_letters(
     target: &BrokerTarget,
     ids: &[i64],
     all: bool,
-    group: Option<&str>,
-    matching: Option<&str>,
+    only: &Only<'_>,
 ) -> anyhow::Result<ExitCode> {
-    if ids.is_empty() && !all && matching.is_none() {
-        bail!("name the dead letters to replay (ids from `idem dead-letters list`), or pass --all or --matching TEXT");
+    let filtered = only.matching.is_some() || only.fingerprint.is_some();
+    if ids.is_empty() && !all && !filtered {
+        bail!(
+            "name the dead letters to replay (ids from `idem dead-letters list`), or pass --all, --matching TEXT or \
+             --fingerprint F (from `idem dead-letters groups`)"
+        );
     }
-    let all = all || (ids.is_empty() && matching.is_some());
+    let all = all || (ids.is_empty() && filtered);
     let (db, tables) = Db::open_with(args, "dead_letters").await?;
-    let letters: Vec<DeadLetter> = dead_letters(&db, &tables, group, matching, i64::MAX)
-        .await?
-        .into_iter()
-        .filter(|l| all || ids.contains(&l.id))
-        .collect();
+    let letters: Vec<DeadLetter> =
+        dead_letters(&db, &tables, only, i64::MAX).await?.into_iter().filter(|l| all || ids.contains(&l.id)).collect();
     for id in ids {
         if !letters.iter().any(|l| l.id == *id) {
             bail!("no dead letter with id {id}; see `idem dead-letters list`");

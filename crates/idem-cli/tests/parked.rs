@@ -158,7 +158,8 @@ fn parking_and_releasing_survive_sigkill() {
     let worker = |extra: &[&str]| {
         let mut command = idem();
         command.args(["demo-worker", "--log-dir", &log_dir, "--database-url", &url, "--batch-size", "20"]);
-        command.args(["--max-attempts", "2", "--delayed-retries", "1s", "--flaky-accounts", &flaky]);
+        command.args(["--max-attempts", "2", "--delayed-retries", "1s,1s,1s,1s,1s,1s,1s,1s,1s,1s,1s,1s,1s,1s,1s"]);
+        command.args(["--flaky-accounts", &flaky]);
         command.args(["--flaky-until-ms", &until_arg]);
         command.args(extra);
         command

@@ -10,6 +10,8 @@
 //! The copy carries the header `idem-replay-for: <group>`: other consumer groups of the topic skip it (it was
 //! delivered to them the first time), so a replay re-runs one group's handler only.
 
+pub mod groups;
+
 use crate::error::Error;
 use crate::source::Publisher;
 use crate::store::{Backend, DeadLetter, Tables};

@@ -187,3 +187,56 @@ async fn mysql_one_failing_key_is_parked_and_the_rest_flows() {
                                         k VARCHAR(64) NOT NULL, seq BIGINT NOT NULL)";
     one_failing_key_is_parked_and_the_rest_flows("mysql", db.pool.clone(), create).await;
 }
+
+/// `ParkOrder::None`: only the failing message is parked; the later messages of its key are applied while it
+/// waits, and it is applied once the failure clears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_key_order_only_the_failing_message_is_parked() {
+    let db = common::sqlite().await;
+    let dir = common::temp_dir();
+    let log = EmbeddedLog::open(&dir.0).unwrap();
+    log.create_topic("payments", 2).unwrap();
+    let producer = log.producer();
+    let records = records();
+    for (key, payload) in &records {
+        producer.send("payments", Some(key.as_bytes()), payload.as_bytes(), &[]).unwrap();
+    }
+    producer.flush().unwrap();
+    let total = records.len() as i64;
+    let config = Config::new("unordered", KeyExtractor::JsonPointer("/id".into()))
+        .max_attempts(1)
+        .delayed_retries(DelayedRetries::new([Duration::from_secs(1); 60]).order(idem::ParkOrder::None));
+    idem::migrate(&db.pool, &config.tables).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE applied (n INTEGER PRIMARY KEY AUTOINCREMENT, event_id TEXT NOT NULL UNIQUE, k TEXT NOT NULL,
+                               seq INTEGER NOT NULL)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let handler = Flaky { failing: Arc::new(AtomicBool::new(true)) };
+    let engine = Engine::new(db.pool.clone(), config).unwrap();
+    let source = log.consumer("unordered", &["payments"], ConsumerOptions::default()).unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn({
+        let (engine, handler) = (engine.clone(), handler.clone());
+        async move { engine.run(source, handler, stop_rx).await }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while count(&db.pool, "SELECT COUNT(*) FROM applied").await < total - 1 {
+        assert!(Instant::now() < deadline, "every message but the failing one is applied");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(count(&db.pool, "SELECT COUNT(*) FROM parked_messages").await, 1, "only the failing one is parked");
+    handler.failing.store(false, Ordering::SeqCst);
+    while count(&db.pool, "SELECT COUNT(*) FROM applied").await < total {
+        assert!(Instant::now() < deadline, "the parked message was not released");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = stop_tx.send(());
+    let stats = run.await.unwrap().unwrap();
+    assert_eq!((stats.processed, stats.parked, stats.dead_lettered), (total as u64, 1, 0), "{stats:?}");
+    let first: i64 = count(&db.pool, &format!("SELECT MAX(n) FROM applied WHERE k = '{BAD_KEY}' AND seq = 1")).await;
+    let later: i64 = count(&db.pool, &format!("SELECT MIN(n) FROM applied WHERE k = '{BAD_KEY}' AND seq > 1")).await;
+    assert!(first > later, "the failing message was applied after its key's later ones");
+}

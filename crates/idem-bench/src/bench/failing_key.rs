@@ -122,7 +122,9 @@ pub(super) async fn failing_key_leg(
         config.max_attempts(1_000_000)
     };
     let engine = Engine::new(engine_pool.clone(), config)?;
-    let options = idem::embedded::ConsumerOptions { stop_at_end: true, ..Default::default() };
+    // With delayed retries the end of the log is not the end of the run: the parked key is released after it, by
+    // a running consumer, which is stopped once everything is applied.
+    let options = idem::embedded::ConsumerOptions { stop_at_end: !mode.by_key(), ..Default::default() };
     let source = log.consumer(GROUP, &[TOPIC], options)?;
     let failing = Arc::new(AtomicBool::new(fail));
     let others_applied = Arc::new(AtomicU64::new(0));
@@ -133,10 +135,11 @@ pub(super) async fn failing_key_leg(
         failing: Arc::clone(&failing),
         others_applied: Arc::clone(&others_applied),
     };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let started = Instant::now();
     let run = tokio::spawn({
         let engine = engine.clone();
-        async move { engine.run(source, handler, std::future::pending::<()>()).await }
+        async move { engine.run(source, handler, stop_rx).await }
     });
     // The other partitions' events applied: the rate is taken there; then the failure clears.
     let deadline = started + Duration::from_secs(600);
@@ -148,8 +151,9 @@ pub(super) async fn failing_key_leg(
     }
     let seconds = started.elapsed().as_secs_f64();
     failing.store(false, Ordering::SeqCst);
-    // With delayed retries the source's end is not the run's: the parked key is released after it.
-    let stats = if mode.by_key() {
+    // Kept until the run ends: a dropped sender would stop it.
+    let mut stop = Some(stop_tx);
+    if mode.by_key() {
         let engine = engine.clone();
         let wait = async move {
             while engine.stats().processed < work.unique {
@@ -158,11 +162,13 @@ pub(super) async fn failing_key_leg(
         };
         tokio::time::timeout(Duration::from_secs(120), wait)
             .await
-            .map_err(|_| anyhow::anyhow!("parked key not released"))?;
-        run.await??
-    } else {
-        run.await??
-    };
+            .map_err(|_| anyhow::anyhow!("{}: the parked key was not released", mode.name()))?;
+        if let Some(stop) = stop.take() {
+            let _ = stop.send(());
+        }
+    }
+    let stats = run.await??;
+    drop(stop);
     engine_pool.close().await;
     let _ = std::fs::remove_dir_all(&dir);
     if stats.processed != work.unique {

@@ -1,0 +1,155 @@
+//! Failure groups: dead letters that failed the same way, whatever the ids, amounts and values in their reasons.
+//!
+//! A dead letter's **fingerprint** is its consumer group and its reason with the variable parts stripped: quoted
+//! values (`'…'`, `"…"`, `` `…` ``) become `'…'`, and numbers, UUIDs and hexadecimal runs become `#`. So
+//! `account 17 does not exist` and `account 4242 does not exist` share one, and `relation "orders" does not exist`
+//! has another than `invalid input syntax for type integer: "12.00 EUR"`. The fingerprint's id is the first 12 hex
+//! digits of the SHA-256 of the group and the stripped reason: stable across processes and versions, short enough
+//! to type (`idem dead-letters replay --fingerprint 3f9a0c…`).
+
+use std::collections::BTreeMap;
+
+use crate::store::DeadLetter;
+
+/// A reason with its variable parts stripped.
+pub fn strip_reason(reason: &str) -> String {
+    let mut out = String::with_capacity(reason.len());
+    let chars: Vec<char> = reason.chars().collect();
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        // A quoted value: everything up to the matching quote (or the end) is one value.
+        if matches!(c, '\'' | '"' | '`') {
+            match chars[i + 1..].iter().position(|&d| d == c) {
+                Some(len) => {
+                    out.push_str("'…'");
+                    i += len + 2;
+                    continue;
+                }
+                None => {
+                    out.push(c);
+                    i += 1;
+                    continue;
+                }
+            }
+        }
+        // A run of letters, digits and dashes that holds a digit: a number, an id, a UUID, a hex run.
+        if c.is_ascii_alphanumeric() {
+            let start = i;
+            while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == '-' || chars[i] == '.') {
+                i += 1;
+            }
+            let word: String = chars[start..i].iter().collect();
+            let word = word.trim_end_matches(['.', '-']);
+            let trailing = i - start - word.chars().count();
+            if word.chars().any(|d| d.is_ascii_digit()) && !is_error_code(word) {
+                out.push('#');
+            } else {
+                out.push_str(word);
+            }
+            // Sentence punctuation after the word is kept as it was.
+            out.extend(&chars[i - trailing..i]);
+            continue;
+        }
+        out.push(c);
+        i += 1;
+    }
+    out
+}
+
+/// SQLSTATEs and error codes name the kind of failure, not a value: `40P01`, `23505`, `55P03` stay.
+fn is_error_code(word: &str) -> bool {
+    word.len() == 5 && word.chars().all(|c| c.is_ascii_digit() || c.is_ascii_uppercase())
+}
+
+/// The fingerprint id of a failure: 12 hex digits of the SHA-256 of the consumer group and the stripped reason.
+pub fn fingerprint(consumer_group: &str, reason: &str) -> String {
+    use sha2::Digest;
+    let mut hasher = sha2::Sha256::new();
+    hasher.update(consumer_group.as_bytes());
+    hasher.update([0]);
+    hasher.update(strip_reason(reason).as_bytes());
+    hasher.finalize().iter().take(6).map(|b| format!("{b:02x}")).collect()
+}
+
+/// Dead letters that failed the same way.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct FailureGroup {
+    /// The fingerprint id.
+    pub fingerprint: String,
+    /// The consumer group.
+    pub consumer_group: String,
+    /// The reason with its variable parts stripped.
+    pub pattern: String,
+    /// How many dead letters.
+    pub count: usize,
+    /// When the first of them failed first (milliseconds since the epoch).
+    pub first_failed_at_ms: i64,
+    /// When the last of them failed last.
+    pub last_failed_at_ms: i64,
+    /// The reason of the most recent one, as it was.
+    pub sample: String,
+    /// The dead-letter ids, oldest first.
+    pub ids: Vec<i64>,
+}
+
+/// Groups `letters` by fingerprint, the largest group first (then the most recent).
+pub fn group(letters: &[DeadLetter]) -> Vec<FailureGroup> {
+    let mut groups: BTreeMap<String, FailureGroup> = BTreeMap::new();
+    for letter in letters {
+        let id = fingerprint(&letter.consumer_group, &letter.error);
+        let group = groups.entry(id.clone()).or_insert_with(|| FailureGroup {
+            fingerprint: id,
+            consumer_group: letter.consumer_group.clone(),
+            pattern: strip_reason(&letter.error),
+            count: 0,
+            first_failed_at_ms: letter.first_failed_at_ms,
+            last_failed_at_ms: letter.last_failed_at_ms,
+            sample: letter.error.clone(),
+            ids: Vec::new(),
+        });
+        group.count += 1;
+        group.ids.push(letter.id);
+        group.first_failed_at_ms = group.first_failed_at_ms.min(letter.first_failed_at_ms);
+        if letter.last_failed_at_ms >= group.last_failed_at_ms {
+            group.last_failed_at_ms = letter.last_failed_at_ms;
+            group.sample = letter.error.clone();
+        }
+    }
+    let mut groups: Vec<FailureGroup> = groups.into_values().collect();
+    groups.sort_by(|a, b| b.count.cmp(&a.count).then(b.last_failed_at_ms.cmp(&a.last_failed_at_ms)));
+    groups
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn variable_parts_are_stripped_and_the_kind_of_failure_kept() {
+        assert_eq!(strip_reason("account 17 does not exist"), "account # does not exist");
+        assert_eq!(strip_reason("account 4242 does not exist"), strip_reason("account 17 does not exist"));
+        assert_eq!(
+            strip_reason(r#"invalid input syntax for type bigint: "12.00 EUR""#),
+            "invalid input syntax for type bigint: '…'"
+        );
+        assert_eq!(
+            strip_reason("order 0192a3f4-7c1e-7b4e-9d2a-5f6e7a8b9c0d not found (pay-000000045)."),
+            "order # not found (#)."
+        );
+        assert_eq!(
+            strip_reason("deadlock detected (40P01) after 3 attempts"),
+            "deadlock detected (40P01) after # attempts"
+        );
+        assert_eq!(strip_reason("it's unterminated"), "it's unterminated");
+    }
+
+    #[test]
+    fn fingerprints_tell_groups_and_failures_apart() {
+        let a = fingerprint("ledger", "account 17 does not exist");
+        assert_eq!(a.len(), 12);
+        assert_eq!(a, fingerprint("ledger", "account 99 does not exist"));
+        assert_ne!(a, fingerprint("billing", "account 17 does not exist"));
+        assert_ne!(a, fingerprint("ledger", "relation \"accounts\" does not exist"));
+    }
+}
