@@ -887,6 +887,8 @@ class Trial:
         while time.monotonic() < deadline:
             self.final_runs += 1
             self.start(slot, follow=True)
+            # A worker signalled before it installed its handlers dies of the signal: give it time to start.
+            time.sleep(1.0)
             while slot.proc.poll() is None and time.monotonic() < deadline:
                 parked, markers = self.scalars(sql)
                 if parked == 0 and markers >= want:

@@ -7,7 +7,7 @@
 
 use std::process::ExitCode;
 
-use crate::{DbArgs, commands, demo, embedded_log, inbox, migrations, outbox, parked, service};
+use crate::{DbArgs, audit, commands, demo, embedded_log, inbox, migrations, outbox, parked, service};
 use clap::{Parser, Subcommand};
 
 /// Exactly-once effects over at-least-once message delivery.
@@ -79,6 +79,9 @@ enum Command {
     /// Messages parked for delayed retries: list them, make them due now, discard them into the dead letters.
     #[command(subcommand)]
     Parked(parked::ParkedCommand),
+    /// The audit trail: every operator action (replay, discard, retry now, requeue, inbox release and close).
+    #[command(subcommand)]
+    Audit(audit::AuditCommand),
     /// Delete markers older than the retention, in bounded batches (one pass); --dry-run only counts them.
     Prune {
         #[command(flatten)]
@@ -209,6 +212,8 @@ enum DeadLetterCommand {
         /// Every dead letter of this failure group (see `groups`).
         #[arg(long)]
         fingerprint: Option<String>,
+        #[command(flatten)]
+        actor: audit::Actor,
     },
 }
 
@@ -278,6 +283,7 @@ pub fn main() -> ExitCode {
                 Command::Relay(args) => outbox::relay(args).await,
                 Command::Outbox(command) => outbox::command(command).await,
                 Command::Parked(command) => parked::run(command).await,
+                Command::Audit(command) => audit::run(command).await,
                 Command::Markers(MarkersCommand::Layout { db, json }) => commands::markers_layout(&db, json).await,
                 Command::Markers(MarkersCommand::Convert { db, to, period, create_ahead }) => {
                     let period = (to == "partitioned").then_some(period);
@@ -294,14 +300,23 @@ pub fn main() -> ExitCode {
                 Command::DeadLetters(DeadLetterCommand::Groups { db, group, json }) => {
                     commands::failure_groups(&db, group.as_deref(), json).await
                 }
-                Command::DeadLetters(DeadLetterCommand::Replay { db, to, ids, all, group, matching, fingerprint }) => {
+                Command::DeadLetters(DeadLetterCommand::Replay {
+                    db,
+                    to,
+                    ids,
+                    all,
+                    group,
+                    matching,
+                    fingerprint,
+                    actor,
+                }) => {
                     let target = to.target()?;
                     let only = commands::Only {
                         group: group.as_deref(),
                         matching: matching.as_deref(),
                         fingerprint: fingerprint.as_deref(),
                     };
-                    commands::replay_dead_letters(&db, &target, &ids, all, &only).await
+                    commands::replay_dead_letters(&db, &target, &ids, all, &only, &actor.name()).await
                 }
             }
         },

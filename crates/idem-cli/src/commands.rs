@@ -214,6 +214,7 @@ pub async fn replay_dead_letters(
     ids: &[i64],
     all: bool,
     only: &Only<'_>,
+    actor: &str,
 ) -> anyhow::Result<ExitCode> {
     let filtered = only.matching.is_some() || only.fingerprint.is_some();
     if ids.is_empty() && !all && !filtered {
@@ -231,25 +232,34 @@ pub async fn replay_dead_letters(
             bail!("no dead letter with id {id}; see `idem dead-letters list`");
         }
     }
+    let subjects = if all { format!("{only:?}") } else { format!("ids {ids:?}") };
+    let replayed = replay_to(&db, &tables, target, &letters).await;
+    let count = replayed.as_ref().map_or(0, |n| *n as i64);
+    crate::audit::note(&db, &tables, actor, "dead-letters replay", subjects, &replayed, count).await;
+    println!("{} dead letter(s) replayed", replayed?);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Replays `letters` through the broker `target` names; how many were replayed.
+async fn replay_to(db: &Db, tables: &Tables, target: &BrokerTarget, letters: &[DeadLetter]) -> anyhow::Result<usize> {
     let replayed = match target {
         BrokerTarget::Log(dir) => {
             if !dir.join("topics").is_dir() {
                 bail!("--log-dir {}: there is no embedded log there (it holds a topics/ folder)", dir.display());
             }
-            replay_through(&db, &tables, &EmbeddedLog::open(dir)?.producer(), &letters).await?
+            replay_through(db, tables, &EmbeddedLog::open(dir)?.producer(), letters).await?
         }
         BrokerTarget::Kafka(brokers) => {
-            replay_through(&db, &tables, &idem::kafka::KafkaProducer::new(brokers)?, &letters).await?
+            replay_through(db, tables, &idem::kafka::KafkaProducer::new(brokers)?, letters).await?
         }
-        BrokerTarget::Nats(url) => replay_nats(&db, &tables, url, &letters).await?,
-        BrokerTarget::Rabbitmq(url) => replay_rabbitmq(&db, &tables, url, &letters).await?,
+        BrokerTarget::Nats(url) => replay_nats(db, tables, url, letters).await?,
+        BrokerTarget::Rabbitmq(url) => replay_rabbitmq(db, tables, url, letters).await?,
         BrokerTarget::Sqs(endpoint) => {
-            replay_through(&db, &tables, &crate::sqs::producer(endpoint).await?.0, &letters).await?
+            replay_through(db, tables, &crate::sqs::producer(endpoint).await?.0, letters).await?
         }
-        BrokerTarget::PubSub(project) => replay_pubsub(&db, &tables, project, &letters).await?,
+        BrokerTarget::PubSub(project) => replay_pubsub(db, tables, project, letters).await?,
     };
-    println!("{replayed} dead letter(s) replayed");
-    Ok(ExitCode::SUCCESS)
+    Ok(replayed)
 }
 
 #[cfg(feature = "nats")]

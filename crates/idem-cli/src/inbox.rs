@@ -48,6 +48,8 @@ pub enum InboxCommand {
         db: DbArgs,
         #[command(flatten)]
         instance: InstanceArgs,
+        #[command(flatten)]
+        actor: crate::audit::Actor,
     },
     /// Release an instance's WAITING messages whatever their condition, and re-queue its FAILED ones: the
     /// running consumer handles them at its next housekeeping pass.
@@ -59,6 +61,8 @@ pub enum InboxCommand {
         /// Only this message (its id in `show`).
         #[arg(long)]
         message: Option<i64>,
+        #[command(flatten)]
+        actor: crate::audit::Actor,
     },
 }
 
@@ -127,7 +131,7 @@ pub async fn run(command: InboxCommand) -> anyhow::Result<ExitCode> {
                 }
             }
         }
-        InboxCommand::Close { db, instance } => {
+        InboxCommand::Close { db, instance, actor } => {
             let (pool, tables) = open(&db).await?;
             let id = resolve(&pool, &tables, &instance).await?;
             let (summary, _) = existing(&pool, &tables, id).await?;
@@ -138,13 +142,26 @@ pub async fn run(command: InboxCommand) -> anyhow::Result<ExitCode> {
                     summary.waiting
                 );
             }
-            if admin::close(&pool, &tables, id).await? {
+            let closed = admin::close(&pool, &tables, id).await.map_err(anyhow::Error::from);
+            let audited = Db::Postgres(pool.clone());
+            let count = i64::from(closed.as_ref().is_ok_and(|c| *c));
+            crate::audit::note(
+                &audited,
+                &tables,
+                &actor.name(),
+                "inbox close",
+                format!("instance {id}"),
+                &closed,
+                count,
+            )
+            .await;
+            if closed? {
                 println!("instance {id} closed");
             } else {
                 println!("instance {id} was already closed");
             }
         }
-        InboxCommand::Release { db, instance, message } => {
+        InboxCommand::Release { db, instance, message, actor } => {
             let (pool, tables) = open(&db).await?;
             let id = resolve(&pool, &tables, &instance).await?;
             let (_, messages) = existing(&pool, &tables, id).await?;
@@ -153,7 +170,15 @@ pub async fn run(command: InboxCommand) -> anyhow::Result<ExitCode> {
             {
                 bail!("instance {id} has no message {message}; see `idem inbox show {id}`");
             }
-            let released = admin::release(&pool, &tables, id, message).await?;
+            let released = admin::release(&pool, &tables, id, message).await.map_err(anyhow::Error::from);
+            let subjects = match message {
+                Some(m) => format!("instance {id}, message {m}"),
+                None => format!("instance {id}"),
+            };
+            let count = released.as_ref().map_or(0, |n| i64::try_from(*n).unwrap_or(i64::MAX));
+            let audited = Db::Postgres(pool.clone());
+            crate::audit::note(&audited, &tables, &actor.name(), "inbox release", subjects, &released, count).await;
+            let released = released?;
             println!(
                 "{released} message(s) of instance {id} released; the running consumer handles them at its next \
                  housekeeping pass"

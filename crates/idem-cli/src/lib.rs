@@ -1,6 +1,7 @@
 //! The `idem` command's pieces, shared by the `idem` binary and the benchmark (`idem-bench`): the operator
 //! commands, the demo, the operations endpoint, opening a database by URL.
 
+pub mod audit;
 pub mod cli;
 pub mod commands;
 pub mod db;

@@ -81,6 +81,8 @@ pub enum OutboxCommand {
         /// Only this relay's dead letters (with --all).
         #[arg(long)]
         relay: Option<String>,
+        #[command(flatten)]
+        actor: crate::audit::Actor,
     },
 }
 
@@ -311,7 +313,7 @@ pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
                 println!("pending {}, oldest {oldest}, failing {}", stats.pending, stats.failing);
             }
         }
-        OutboxCommand::Requeue { db, ids, all, relay } => {
+        OutboxCommand::Requeue { db, ids, all, relay, actor } => {
             if ids.is_empty() && !all {
                 bail!(
                     "name the dead letters to requeue (ids from `idem dead-letters list --group outbox:<relay>`) or pass --all"
@@ -332,12 +334,23 @@ pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
                 }
             }
             let mut requeued = 0;
-            for id in chosen {
-                if with_pool!(&pool, pool => idem::outbox::requeue_dead_letter(pool, &tables, id).await?) {
-                    requeued += 1;
-                    println!("requeued {id}");
+            let mut outcome: anyhow::Result<()> = Ok(());
+            for id in &chosen {
+                match with_pool!(&pool, pool => idem::outbox::requeue_dead_letter(pool, &tables, *id).await) {
+                    Ok(true) => {
+                        requeued += 1;
+                        println!("requeued {id}");
+                    }
+                    Ok(false) => {}
+                    Err(error) => {
+                        outcome = Err(error.into());
+                        break;
+                    }
                 }
             }
+            let subjects = format!("dead letters {chosen:?}");
+            crate::audit::note(&pool, &tables, &actor.name(), "outbox requeue", subjects, &outcome, requeued).await;
+            outcome?;
             println!("{requeued} dead letter(s) back in the outbox");
         }
     }

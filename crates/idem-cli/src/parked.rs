@@ -7,6 +7,7 @@ use anyhow::bail;
 use clap::Subcommand;
 
 use crate::DbArgs;
+use crate::audit::{Actor, note};
 use crate::db::Db;
 use crate::with_pool;
 
@@ -41,6 +42,8 @@ pub enum ParkedCommand {
         /// Only this consumer group (with --all).
         #[arg(long)]
         group: Option<String>,
+        #[command(flatten)]
+        actor: Actor,
     },
     /// Give up on parked messages: each becomes a dead letter that says who discarded it, why, and its history
     /// (replayable like any dead letter); the next message of its key goes on.
@@ -53,9 +56,9 @@ pub enum ParkedCommand {
         /// Why: kept in the dead letter's reason.
         #[arg(long)]
         reason: String,
-        /// Who: kept in the dead letter's reason (default: the operating-system user).
-        #[arg(long = "as")]
-        by: Option<String>,
+        /// Who: kept in the dead letter's reason and the audit trail.
+        #[command(flatten)]
+        actor: Actor,
     },
 }
 
@@ -108,39 +111,51 @@ pub async fn run(command: ParkedCommand) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        ParkedCommand::RetryNow { db, ids, all, group } => {
+        ParkedCommand::RetryNow { db, ids, all, group, actor } => {
             if ids.is_empty() && !all {
                 bail!("name the parked messages to retry now (ids from `idem parked list`), or pass --all");
             }
             let (pool, tables) = Db::open_with(&db, "parked_messages").await?;
-            let mut made_due = 0;
-            if all {
-                made_due = with_pool!(&pool, pool =>
-                    idem::delayed_retry::retry_now(pool, &tables, group.as_deref(), None).await?);
-            }
-            for id in &ids {
-                made_due += with_pool!(&pool, pool =>
-                    idem::delayed_retry::retry_now(pool, &tables, None, Some(*id)).await?);
-            }
-            println!("{made_due} parked message(s) due now; a running consumer tries them at its next look");
+            let made_due = retry_now(&pool, &tables, &ids, all, group.as_deref()).await;
+            let subjects = if all {
+                format!("all of group {}", group.as_deref().unwrap_or("(any)"))
+            } else {
+                format!("ids {ids:?}")
+            };
+            let count = made_due.as_ref().map_or(0, |n| *n as i64);
+            note(&pool, &tables, &actor.name(), "parked retry-now", subjects, &made_due, count).await;
+            println!("{} parked message(s) due now; a running consumer tries them at its next look", made_due?);
             Ok(ExitCode::SUCCESS)
         }
-        ParkedCommand::Discard { db, ids, reason, by } => {
+        ParkedCommand::Discard { db, ids, reason, actor } => {
             if reason.trim().is_empty() {
                 bail!("--reason is empty: say why these messages are discarded (it is kept with them)");
             }
-            let by = by.unwrap_or_else(os_user);
+            let by = actor.name();
             let (pool, tables) = Db::open_with(&db, "parked_messages").await?;
             let mut missing = Vec::new();
+            let mut discarded = 0;
+            let mut failure = None;
             for id in &ids {
-                let done = with_pool!(&pool, pool =>
-                    idem::delayed_retry::discard(pool, &tables, *id, &by, &reason).await?);
-                if done {
-                    println!("parked message {id} discarded into the dead letters");
-                } else {
-                    missing.push(*id);
+                match with_pool!(&pool, pool => idem::delayed_retry::discard(pool, &tables, *id, &by, &reason).await) {
+                    Ok(true) => {
+                        discarded += 1;
+                        println!("parked message {id} discarded into the dead letters");
+                    }
+                    Ok(false) => missing.push(*id),
+                    Err(error) => {
+                        failure = Some(error);
+                        break;
+                    }
                 }
             }
+            let outcome: anyhow::Result<()> = match failure {
+                Some(error) => Err(error.into()),
+                None => Ok(()),
+            };
+            let subjects = format!("ids {ids:?}, reason: {reason}");
+            note(&pool, &tables, &by, "parked discard", subjects, &outcome, discarded).await;
+            outcome?;
             if !missing.is_empty() {
                 eprintln!("not parked (any more): {missing:?}");
                 return Ok(ExitCode::FAILURE);
@@ -150,7 +165,20 @@ pub async fn run(command: ParkedCommand) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// The operating-system user running the command, for the record of who acted.
-fn os_user() -> String {
-    std::env::var("USER").or_else(|_| std::env::var("LOGNAME")).unwrap_or_else(|_| "unknown".to_owned())
+/// Makes the named parked messages (or all, of `group`) due now; how many.
+async fn retry_now(
+    pool: &Db,
+    tables: &idem::Tables,
+    ids: &[i64],
+    all: bool,
+    group: Option<&str>,
+) -> anyhow::Result<u64> {
+    let mut made_due = 0;
+    if all {
+        made_due = with_pool!(pool, pool => idem::delayed_retry::retry_now(pool, tables, group, None).await?);
+    }
+    for id in ids {
+        made_due += with_pool!(pool, pool => idem::delayed_retry::retry_now(pool, tables, None, Some(*id)).await?);
+    }
+    Ok(made_due)
 }

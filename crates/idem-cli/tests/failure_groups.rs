@@ -106,5 +106,9 @@ async fn dead_letters_grouped_by_how_they_failed() {
     let groups = json(&["dead-letters", "groups", "--database-url", &url, "--json"]);
     let patterns: Vec<&str> = groups.as_array().unwrap().iter().map(|g| g["pattern"].as_str().unwrap()).collect();
     assert_eq!(patterns, ["amount '…' of # is not a number of cents"], "only the other group is left");
+    let audit = json(&["audit", "list", "--database-url", &url, "--json"]);
+    let entry = &audit.as_array().unwrap()[0];
+    assert_eq!((entry["action"].as_str(), entry["count"].as_i64()), (Some("dead-letters replay"), Some(3)), "{audit}");
+    assert!(entry["subjects"].as_str().unwrap().contains(&accounts), "the replay names its failure group: {audit}");
     let _ = std::fs::remove_dir_all(&dir);
 }

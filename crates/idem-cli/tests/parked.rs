@@ -116,6 +116,20 @@ async fn list_retry_now_and_discard_parked_messages() {
     let out = idem().args(["parked", "discard", &head, "--reason", "again", "--database-url", &url]).output().unwrap();
     assert!(!out.status.success(), "a message discarded already is not parked any more");
 
+    // Every action is in the audit trail, newest first: who, what, which, how many, how it ended.
+    let audit = json(&["audit", "list", "--database-url", &url, "--json"]);
+    let audit = audit.as_array().unwrap();
+    let actions: Vec<(&str, &str, i64)> = audit
+        .iter()
+        .map(|e| (e["action"].as_str().unwrap(), e["actor"].as_str().unwrap(), e["count"].as_i64().unwrap()))
+        .collect();
+    assert_eq!(actions[0].0, "parked discard", "{audit:?}");
+    assert_eq!(actions[0].2, 0, "the second discard found nothing: {audit:?}");
+    assert_eq!(actions[1], ("parked discard", "alice", 1), "{audit:?}");
+    assert!(audit[1]["subjects"].as_str().unwrap().contains("bad account data"), "{audit:?}");
+    assert_eq!((actions[2].0, actions[2].2), ("parked retry-now", 1), "{audit:?}");
+    assert!(audit.iter().all(|e| e["outcome"] == "ok"), "{audit:?}");
+
     // The next run applies e2, which now heads its key; nothing stays parked.
     handler.failing.store(false, Ordering::SeqCst);
     consume(&url, &log, handler.clone(), |s| s.processed == 1).await;

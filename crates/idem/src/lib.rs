@@ -79,6 +79,7 @@
 //!   `PUBSUB_EMULATOR_HOST`.
 #![warn(missing_docs)]
 
+pub mod audit;
 pub mod backoff;
 mod brokers;
 pub mod config;

@@ -5,6 +5,7 @@
 //! same functions over its own SQL; the SQL lives in `sql/<backend>/`, written with `{t}` for the (optionally
 //! schema-qualified) table prefix and `{p}` for the bare prefix used in index names.
 
+pub mod audit;
 pub(crate) mod connect;
 mod dead_letter_row;
 mod headers;
@@ -198,13 +199,14 @@ pub trait Operations: Store {
     ) -> impl Future<Output = Result<Vec<(i32, i64)>, Error>> + Send;
 }
 
-/// A store idem consumes into and operates on: [`Store`], [`Operations`] and [`parking::Parking`] together.
-pub trait Backend: Store + Operations + parking::Parking {
+/// A store idem consumes into and operates on: [`Store`], [`Operations`], [`parking::Parking`] and
+/// [`audit::AuditTrail`] together.
+pub trait Backend: Store + Operations + parking::Parking + audit::AuditTrail {
     /// `postgres` or `sqlite` ([`Store::NAME`]).
     const NAME: &'static str;
 }
 
-impl<DB: Store + Operations + parking::Parking> Backend for DB {
+impl<DB: Store + Operations + parking::Parking + audit::AuditTrail> Backend for DB {
     const NAME: &'static str = <DB as Store>::NAME;
 }
 

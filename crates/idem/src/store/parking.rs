@@ -323,7 +323,7 @@ pub(crate) enum Style {
 }
 
 impl Style {
-    fn finish(self, sql: &str) -> String {
+    pub(crate) fn finish(self, sql: &str) -> String {
         match self {
             Style::Postgres => numbered(sql),
             Style::Sqlite => sql.to_owned(),

@@ -39,11 +39,12 @@ use crate::store::{
 
 mod outbox;
 
-static MIGRATIONS: [Migration; 4] = [
+static MIGRATIONS: [Migration; 5] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "outbox", sql: include_str!("sql/0003_outbox.sql") },
     Migration { version: 4, name: "parked_messages", sql: include_str!("sql/0004_parked_messages.sql") },
+    Migration { version: 5, name: "audit_log", sql: include_str!("sql/0005_audit_log.sql") },
 ];
 
 /// The oldest servers this store is written for and tested against: MySQL 8.0 and MariaDB 10.6 (recursive
@@ -316,6 +317,7 @@ pub(crate) fn connect_fix(error: &dyn sqlx::error::DatabaseError) -> Option<&'st
     })
 }
 
+crate::store::audit::impl_audit!(MySql, crate::store::parking::Style::MySql);
 crate::store::parking::impl_parking!(MySql, crate::store::parking::Style::MySql, each);
 
 impl Operations for MySql {

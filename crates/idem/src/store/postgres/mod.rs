@@ -16,13 +16,14 @@ use crate::store::{
     judge_existing, payload_digest,
 };
 
-static MIGRATIONS: [Migration; 6] = [
+static MIGRATIONS: [Migration; 7] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "payload_digest", sql: include_str!("sql/0003_payload_digest.sql") },
     Migration { version: 4, name: "sequential_inbox", sql: include_str!("sql/0004_sequential_inbox.sql") },
     Migration { version: 5, name: "outbox", sql: include_str!("sql/0005_outbox.sql") },
     Migration { version: 6, name: "parked_messages", sql: include_str!("sql/0006_parked_messages.sql") },
+    Migration { version: 7, name: "audit_log", sql: include_str!("sql/0007_audit_log.sql") },
 ];
 
 /// A stored marker as the reuse check reads it: event id, payload digest, topic, partition, offset.
@@ -243,6 +244,7 @@ fn sql_state(error: &sqlx::Error) -> Option<&str> {
     }
 }
 
+crate::store::audit::impl_audit!(Postgres, crate::store::parking::Style::Postgres);
 crate::store::parking::impl_parking!(Postgres, crate::store::parking::Style::Postgres, array);
 
 impl Operations for Postgres {

@@ -11,12 +11,13 @@ use crate::store::{
     judge_existing, payload_digest,
 };
 
-static MIGRATIONS: [Migration; 5] = [
+static MIGRATIONS: [Migration; 6] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "payload_digest", sql: include_str!("sql/0003_payload_digest.sql") },
     Migration { version: 4, name: "outbox", sql: include_str!("sql/0004_outbox.sql") },
     Migration { version: 5, name: "parked_messages", sql: include_str!("sql/0005_parked_messages.sql") },
+    Migration { version: 6, name: "audit_log", sql: include_str!("sql/0006_audit_log.sql") },
 ];
 
 impl Store for Sqlite {
@@ -126,6 +127,7 @@ impl Store for Sqlite {
     }
 }
 
+crate::store::audit::impl_audit!(Sqlite, crate::store::parking::Style::Sqlite);
 crate::store::parking::impl_parking!(Sqlite, crate::store::parking::Style::Sqlite, each);
 
 impl Operations for Sqlite {

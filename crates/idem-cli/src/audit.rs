@@ -1,0 +1,107 @@
+//! `idem audit list`, and the entry every operator command appends to the audit trail (see `idem::audit`).
+
+use std::process::ExitCode;
+
+use clap::Subcommand;
+use idem::Tables;
+use idem::audit::AuditEntry;
+
+use crate::DbArgs;
+use crate::db::Db;
+use crate::with_pool;
+
+/// Who acts: `--as NAME`, else the operating-system user.
+#[derive(clap::Args, Debug, Default)]
+pub struct Actor {
+    /// Who acts, for the audit trail (default: the operating-system user).
+    #[arg(long = "as", value_name = "NAME")]
+    pub by: Option<String>,
+}
+
+impl Actor {
+    /// The name written in the audit trail.
+    pub fn name(&self) -> String {
+        self.by.clone().filter(|b| !b.trim().is_empty()).unwrap_or_else(idem::audit::os_user)
+    }
+}
+
+/// Appends an operator action to the audit trail, after it ran: `outcome` is what the command returns. A trail that
+/// cannot be written is reported on stderr; the action's own result stands.
+pub async fn note<T>(
+    db: &Db,
+    tables: &Tables,
+    actor: &str,
+    action: &str,
+    subjects: String,
+    outcome: &anyhow::Result<T>,
+    count: i64,
+) {
+    let outcome = match outcome {
+        Ok(_) => "ok".to_owned(),
+        Err(error) => format!("failed: {error:#}"),
+    };
+    let entry = AuditEntry::now(actor, action, subjects, count, outcome);
+    let written = with_pool!(db, pool => idem::audit::record(pool, tables, &entry).await);
+    if let Err(error) = written {
+        eprintln!(
+            "warning: `{action}` ran, but the audit trail could not record it: {error} (run `idem migrate` to create \
+             {})",
+            tables.table("audit_log")
+        );
+    }
+}
+
+/// `idem audit …`.
+#[derive(Subcommand, Debug)]
+pub enum AuditCommand {
+    /// The operator actions, newest first: when, who, what, which messages, how many, how it ended.
+    List {
+        #[command(flatten)]
+        db: DbArgs,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// Print one JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Runs an `idem audit` command.
+pub async fn run(command: AuditCommand) -> anyhow::Result<ExitCode> {
+    let AuditCommand::List { db, limit, json } = command;
+    let (pool, tables) = Db::open_with(&db, "audit_log").await?;
+    let entries = with_pool!(&pool, pool => idem::audit::list(pool, &tables, limit).await?);
+    if json {
+        let rows: Vec<serde_json::Value> = entries
+            .iter()
+            .map(|e| {
+                serde_json::json!({
+                    "id": e.id, "at": idem::store::rfc3339_from_ms(e.at_ms), "actor": e.actor, "action": e.action,
+                    "subjects": e.subjects, "count": e.count, "outcome": e.outcome,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string(&rows)?);
+    } else if entries.is_empty() {
+        println!("no operator actions recorded");
+    } else {
+        println!(
+            "{:>6} {:<24} {:<16} {:<24} {:>6}  {:<10} subjects",
+            "id", "at", "actor", "action", "count", "outcome"
+        );
+        for e in &entries {
+            println!(
+                "{:>6} {:<24} {:<16} {:<24} {:>6}  {:<10} {}",
+                e.id,
+                idem::store::rfc3339_from_ms(e.at_ms),
+                e.actor,
+                e.action,
+                e.count,
+                e.outcome,
+                e.subjects
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
