@@ -7,7 +7,7 @@
 
 use std::process::ExitCode;
 
-use crate::{DbArgs, audit, commands, demo, embedded_log, inbox, migrations, outbox, parked, service};
+use crate::{DbArgs, audit, commands, dead_letters, demo, embedded_log, inbox, migrations, outbox, parked, service};
 use clap::{Parser, Subcommand};
 
 /// Exactly-once effects over at-least-once message delivery.
@@ -73,9 +73,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// List or replay dead-lettered messages.
+    /// Dead-lettered messages: list them, group them by failure, replay them, discard them into the archive.
     #[command(subcommand)]
-    DeadLetters(DeadLetterCommand),
+    DeadLetters(dead_letters::DeadLetterCommand),
     /// Messages parked for delayed retries: list them, make them due now, discard them into the dead letters.
     #[command(subcommand)]
     Parked(parked::ParkedCommand),
@@ -111,6 +111,9 @@ enum Command {
         /// Partitioned layout: partitions to create ahead of the current one.
         #[arg(long, default_value_t = 7)]
         create_ahead: u32,
+        /// Discarded dead letters (`idem dead-letters archived`) older than this are deleted too.
+        #[arg(long, default_value = "30d", value_name = "DURATION")]
+        archive_expiry: String,
     },
     /// The marker table's layout: show it, or convert between plain and partitioned (PostgreSQL).
     #[command(subcommand)]
@@ -152,68 +155,6 @@ enum MarkersCommand {
         /// Partitions to create ahead of the current one.
         #[arg(long, default_value_t = 7)]
         create_ahead: u32,
-    },
-}
-
-#[derive(Subcommand)]
-enum DeadLetterCommand {
-    /// List dead letters, oldest first.
-    List {
-        #[command(flatten)]
-        db: DbArgs,
-        /// Only this consumer group.
-        #[arg(long)]
-        group: Option<String>,
-        /// Only those whose reason contains this text.
-        #[arg(long)]
-        matching: Option<String>,
-        /// Only those of this failure group (see `groups`).
-        #[arg(long)]
-        fingerprint: Option<String>,
-        /// At most this many.
-        #[arg(long, default_value_t = 100)]
-        limit: i64,
-        /// Print one JSON array instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Failure groups: dead letters that failed the same way (the consumer group and the reason with its ids,
-    /// numbers and quoted values stripped), the largest first, with their count, first and last failure and a
-    /// sample reason.
-    Groups {
-        #[command(flatten)]
-        db: DbArgs,
-        /// Only this consumer group.
-        #[arg(long)]
-        group: Option<String>,
-        /// Print one JSON array instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Replay dead letters: remove marker and row together and publish the stored message again.
-    Replay {
-        #[command(flatten)]
-        db: DbArgs,
-        /// Where to publish: each message goes back to the topic, subject or queue it came from.
-        #[command(flatten)]
-        to: commands::BrokerFlags,
-        /// Dead-letter ids to replay (see `list`).
-        ids: Vec<i64>,
-        /// Replay every dead letter (of --group, if given).
-        #[arg(long, conflicts_with = "ids")]
-        all: bool,
-        /// Only this consumer group (with --all).
-        #[arg(long)]
-        group: Option<String>,
-        /// Every dead letter whose reason contains this text (of --group, if given): the messages of a storm that
-        /// tripped the kill switch, for example.
-        #[arg(long)]
-        matching: Option<String>,
-        /// Every dead letter of this failure group (see `groups`).
-        #[arg(long)]
-        fingerprint: Option<String>,
-        #[command(flatten)]
-        actor: audit::Actor,
     },
 }
 
@@ -268,14 +209,34 @@ pub fn main() -> ExitCode {
                 Command::DemoPrepare { database_url } => demo::prepare_only(&database_url).await,
                 Command::DemoProduce(args) => demo::produce(args).await,
                 Command::Stats { db, json } => commands::stats(&db, json).await,
-                Command::Prune { db, retention, force, group, batch_size, pause_ms, dry_run, json, create_ahead } => {
+                Command::Prune {
+                    db,
+                    retention,
+                    force,
+                    group,
+                    batch_size,
+                    pause_ms,
+                    dry_run,
+                    json,
+                    create_ahead,
+                    archive_expiry,
+                } => {
+                    let archive_expiry = idem::duration::parse(&archive_expiry)
+                        .map_err(|e| anyhow::anyhow!("--archive-expiry {archive_expiry}: {e}"))?;
                     let pruning = idem::Pruning {
                         batch_size,
                         pause: std::time::Duration::from_millis(pause_ms),
                         ..idem::Pruning::default()
                     };
-                    let options =
-                        commands::PruneOptions { group: group.as_deref(), pruning, dry_run, json, create_ahead, force };
+                    let options = commands::PruneOptions {
+                        group: group.as_deref(),
+                        pruning,
+                        dry_run,
+                        json,
+                        create_ahead,
+                        force,
+                        archive_expiry,
+                    };
                     commands::prune(&db, &retention, &options).await
                 }
                 Command::Inbox(command) => inbox::run(command).await,
@@ -289,35 +250,7 @@ pub fn main() -> ExitCode {
                     let period = (to == "partitioned").then_some(period);
                     commands::markers_convert(&db, period.as_deref(), create_ahead).await
                 }
-                Command::DeadLetters(DeadLetterCommand::List { db, group, matching, fingerprint, limit, json }) => {
-                    let only = commands::Only {
-                        group: group.as_deref(),
-                        matching: matching.as_deref(),
-                        fingerprint: fingerprint.as_deref(),
-                    };
-                    commands::list_dead_letters(&db, &only, limit, json).await
-                }
-                Command::DeadLetters(DeadLetterCommand::Groups { db, group, json }) => {
-                    commands::failure_groups(&db, group.as_deref(), json).await
-                }
-                Command::DeadLetters(DeadLetterCommand::Replay {
-                    db,
-                    to,
-                    ids,
-                    all,
-                    group,
-                    matching,
-                    fingerprint,
-                    actor,
-                }) => {
-                    let target = to.target()?;
-                    let only = commands::Only {
-                        group: group.as_deref(),
-                        matching: matching.as_deref(),
-                        fingerprint: fingerprint.as_deref(),
-                    };
-                    commands::replay_dead_letters(&db, &target, &ids, all, &only, &actor.name()).await
-                }
+                Command::DeadLetters(command) => dead_letters::run(command).await,
             }
         },
         hint,

@@ -1,12 +1,11 @@
-//! The operator's commands: stats, dead letters, pruning, the marker layout (`idem migrate` is in `migrations`).
+//! The operator's commands: stats, pruning, the brokers replays and relays publish to, the marker layout (`idem migrate` is in `migrations`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::bail;
-use idem::embedded::EmbeddedLog;
-use idem::store::{DeadLetter, GroupStats};
-use idem::{Publisher, Tables};
+use idem::Tables;
+use idem::store::GroupStats;
 
 use crate::db::{self, Db};
 use crate::{DbArgs, with_pool};
@@ -41,6 +40,10 @@ pub fn rate(state: &indicatif::ProgressState, out: &mut dyn std::fmt::Write) {
     let _ = write!(out, "{:.0}/s", state.per_sec());
 }
 
+fn format_duration(d: std::time::Duration) -> String {
+    human_duration(d.as_secs_f64())
+}
+
 fn human_duration(seconds: f64) -> String {
     match seconds {
         s if s < 120.0 => format!("{s:.0}s"),
@@ -48,103 +51,6 @@ fn human_duration(seconds: f64) -> String {
         s if s < 172_800.0 => format!("{:.1}h", s / 3600.0),
         s => format!("{:.1}d", s / 86_400.0),
     }
-}
-
-/// Dead letters of `group` (every group's when `None`) whose reason contains `matching`, oldest first, at most
-/// `limit`.
-/// Which dead letters a command takes: of a consumer group, whose reason holds a text, of a failure group.
-#[derive(Debug, Default)]
-pub struct Only<'a> {
-    /// The consumer group.
-    pub group: Option<&'a str>,
-    /// Text the reason contains.
-    pub matching: Option<&'a str>,
-    /// A failure group's fingerprint (see `idem dead-letters groups`).
-    pub fingerprint: Option<&'a str>,
-}
-
-impl Only<'_> {
-    fn takes(&self, letter: &DeadLetter) -> bool {
-        self.matching.is_none_or(|text| letter.error.contains(text))
-            && self.fingerprint.is_none_or(|f| {
-                idem::dead_letter::groups::fingerprint(&letter.consumer_group, &letter.error) == f.trim()
-            })
-    }
-}
-
-async fn dead_letters(db: &Db, tables: &Tables, only: &Only<'_>, limit: i64) -> anyhow::Result<Vec<DeadLetter>> {
-    let filtered = only.matching.is_some() || only.fingerprint.is_some();
-    let fetch = if filtered { i64::MAX } else { limit };
-    let letters = with_pool!(db, pool => idem::dead_letter::list(pool, tables, only.group, fetch).await?);
-    Ok(letters.into_iter().filter(|l| only.takes(l)).take(usize::try_from(limit).unwrap_or(usize::MAX)).collect())
-}
-
-/// `idem dead-letters groups`.
-pub async fn failure_groups(args: &DbArgs, group: Option<&str>, json: bool) -> anyhow::Result<ExitCode> {
-    let (db, tables) = Db::open_with(args, "dead_letters").await?;
-    let letters = with_pool!(&db, pool => idem::dead_letter::list(pool, &tables, group, i64::MAX).await?);
-    let groups = idem::dead_letter::groups::group(&letters);
-    if json {
-        let rows: Vec<serde_json::Value> = groups
-            .iter()
-            .map(|g| {
-                serde_json::json!({
-                    "fingerprint": g.fingerprint, "consumer_group": g.consumer_group, "pattern": g.pattern,
-                    "count": g.count, "first_failed_at": idem::store::rfc3339_from_ms(g.first_failed_at_ms),
-                    "last_failed_at": idem::store::rfc3339_from_ms(g.last_failed_at_ms), "sample": g.sample,
-                    "ids": g.ids,
-                })
-            })
-            .collect();
-        println!("{}", serde_json::to_string(&rows)?);
-    } else if groups.is_empty() {
-        println!("no dead letters");
-    } else {
-        println!("{:<12} {:<20} {:>6} {:<24} {:<24}  pattern", "fingerprint", "group", "count", "first", "last");
-        for g in &groups {
-            println!(
-                "{:<12} {:<20} {:>6} {:<24} {:<24}  {}",
-                g.fingerprint,
-                g.consumer_group,
-                g.count,
-                idem::store::rfc3339_from_ms(g.first_failed_at_ms),
-                idem::store::rfc3339_from_ms(g.last_failed_at_ms),
-                g.pattern
-            );
-        }
-        println!("replay a group: idem dead-letters replay --fingerprint F (--log-dir DIR | --kafka BROKERS | …)");
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-/// `idem dead-letters list`.
-pub async fn list_dead_letters(args: &DbArgs, only: &Only<'_>, limit: i64, json: bool) -> anyhow::Result<ExitCode> {
-    let (db, tables) = Db::open_with(args, "dead_letters").await?;
-    let letters = dead_letters(&db, &tables, only, limit).await?;
-    if json {
-        let rows: Vec<serde_json::Value> = letters
-            .iter()
-            .map(|l| {
-                let mut row = serde_json::to_value(l).unwrap_or_default();
-                row["fingerprint"] = idem::dead_letter::groups::fingerprint(&l.consumer_group, &l.error).into();
-                row
-            })
-            .collect();
-        println!("{}", serde_json::to_string(&rows)?);
-    } else if letters.is_empty() {
-        println!("no dead letters");
-    } else {
-        println!("{:>6} {:<20} {:<24} {:<28} {:>8}  error", "id", "group", "event_id", "position", "attempts");
-        for l in &letters {
-            let position = format!("{}/{}@{}", l.topic, l.partition, l.offset);
-            let event_id = l.event_id.as_deref().unwrap_or("(no key)");
-            println!(
-                "{:>6} {:<20} {:<24} {:<28} {:>8}  {}",
-                l.id, l.consumer_group, event_id, position, l.attempts, l.error
-            );
-        }
-    }
-    Ok(ExitCode::SUCCESS)
 }
 
 /// Where messages are published (replayed dead letters, relayed outbox messages): one broker.
@@ -207,108 +113,6 @@ impl BrokerFlags {
     }
 }
 
-/// `idem dead-letters replay`.
-pub async fn replay_dead_letters(
-    args: &DbArgs,
-    target: &BrokerTarget,
-    ids: &[i64],
-    all: bool,
-    only: &Only<'_>,
-    actor: &str,
-) -> anyhow::Result<ExitCode> {
-    let filtered = only.matching.is_some() || only.fingerprint.is_some();
-    if ids.is_empty() && !all && !filtered {
-        bail!(
-            "name the dead letters to replay (ids from `idem dead-letters list`), or pass --all, --matching TEXT or \
-             --fingerprint F (from `idem dead-letters groups`)"
-        );
-    }
-    let all = all || (ids.is_empty() && filtered);
-    let (db, tables) = Db::open_with(args, "dead_letters").await?;
-    let letters: Vec<DeadLetter> =
-        dead_letters(&db, &tables, only, i64::MAX).await?.into_iter().filter(|l| all || ids.contains(&l.id)).collect();
-    for id in ids {
-        if !letters.iter().any(|l| l.id == *id) {
-            bail!("no dead letter with id {id}; see `idem dead-letters list`");
-        }
-    }
-    let subjects = if all { format!("{only:?}") } else { format!("ids {ids:?}") };
-    let replayed = replay_to(&db, &tables, target, &letters).await;
-    let count = replayed.as_ref().map_or(0, |n| *n as i64);
-    crate::audit::note(&db, &tables, actor, "dead-letters replay", subjects, &replayed, count).await;
-    println!("{} dead letter(s) replayed", replayed?);
-    Ok(ExitCode::SUCCESS)
-}
-
-/// Replays `letters` through the broker `target` names; how many were replayed.
-async fn replay_to(db: &Db, tables: &Tables, target: &BrokerTarget, letters: &[DeadLetter]) -> anyhow::Result<usize> {
-    let replayed = match target {
-        BrokerTarget::Log(dir) => {
-            if !dir.join("topics").is_dir() {
-                bail!("--log-dir {}: there is no embedded log there (it holds a topics/ folder)", dir.display());
-            }
-            replay_through(db, tables, &EmbeddedLog::open(dir)?.producer(), letters).await?
-        }
-        BrokerTarget::Kafka(brokers) => {
-            replay_through(db, tables, &idem::kafka::KafkaProducer::new(brokers)?, letters).await?
-        }
-        BrokerTarget::Nats(url) => replay_nats(db, tables, url, letters).await?,
-        BrokerTarget::Rabbitmq(url) => replay_rabbitmq(db, tables, url, letters).await?,
-        BrokerTarget::Sqs(endpoint) => {
-            replay_through(db, tables, &crate::sqs::producer(endpoint).await?.0, letters).await?
-        }
-        BrokerTarget::PubSub(project) => replay_pubsub(db, tables, project, letters).await?,
-    };
-    Ok(replayed)
-}
-
-#[cfg(feature = "nats")]
-async fn replay_nats(db: &Db, tables: &Tables, url: &str, letters: &[DeadLetter]) -> anyhow::Result<usize> {
-    replay_through(db, tables, &idem::nats::NatsProducer::connect(url).await?, letters).await
-}
-
-#[cfg(not(feature = "nats"))]
-async fn replay_nats(_: &Db, _: &Tables, _: &str, _: &[DeadLetter]) -> anyhow::Result<usize> {
-    bail!("--nats: this idem is built without the `nats` feature")
-}
-
-#[cfg(feature = "rabbitmq")]
-async fn replay_rabbitmq(db: &Db, tables: &Tables, url: &str, letters: &[DeadLetter]) -> anyhow::Result<usize> {
-    replay_through(db, tables, &idem::rabbitmq::RabbitProducer::connect(url).await?, letters).await
-}
-
-#[cfg(not(feature = "rabbitmq"))]
-async fn replay_rabbitmq(_: &Db, _: &Tables, _: &str, _: &[DeadLetter]) -> anyhow::Result<usize> {
-    bail!("--rabbitmq: this idem is built without the `rabbitmq` feature")
-}
-
-#[cfg(feature = "pubsub")]
-async fn replay_pubsub(db: &Db, tables: &Tables, project: &str, letters: &[DeadLetter]) -> anyhow::Result<usize> {
-    replay_through(db, tables, &idem::pubsub::PubSubProducer::connect(Some(project), None).await?, letters).await
-}
-
-#[cfg(not(feature = "pubsub"))]
-async fn replay_pubsub(_: &Db, _: &Tables, _: &str, _: &[DeadLetter]) -> anyhow::Result<usize> {
-    bail!("--pubsub: this idem is built without the `pubsub` feature")
-}
-
-async fn replay_through<P: Publisher>(
-    db: &Db,
-    tables: &Tables,
-    publisher: &P,
-    letters: &[DeadLetter],
-) -> anyhow::Result<usize> {
-    let mut replayed = 0;
-    for letter in letters {
-        let done = with_pool!(db, pool => idem::dead_letter::replay(pool, tables, publisher, letter).await?);
-        if done {
-            replayed += 1;
-            println!("replayed {} ({})", letter.id, letter.event_id.as_deref().unwrap_or("no key"));
-        }
-    }
-    Ok(replayed)
-}
-
 /// The options of `idem prune`.
 pub struct PruneOptions<'a> {
     /// Only this group's markers (plain layout only).
@@ -323,6 +127,8 @@ pub struct PruneOptions<'a> {
     pub create_ahead: u32,
     /// Accept a retention below [`RETENTION_FLOOR`].
     pub force: bool,
+    /// Discarded dead letters older than this leave the archive.
+    pub archive_expiry: std::time::Duration,
 }
 
 /// The shortest retention `idem prune` accepts without `--force`: below it, markers go while a broker can
@@ -332,7 +138,7 @@ const RETENTION_FLOOR: std::time::Duration = std::time::Duration::from_secs(3_60
 /// `idem prune`: batched deletes on the plain layout; whole partitions dropped (and new ones created ahead) on
 /// the partitioned one.
 pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -> anyhow::Result<ExitCode> {
-    let PruneOptions { group, ref pruning, dry_run, json, create_ahead, force } = *options;
+    let PruneOptions { group, ref pruning, dry_run, json, create_ahead, force, archive_expiry } = *options;
     let retention_text = retention.trim();
     let retention = idem::duration::parse(retention)?;
     if retention < RETENTION_FLOOR && !force {
@@ -346,6 +152,17 @@ pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -
         anyhow::bail!("--batch-size 0: use at least 1 (default 10000)");
     }
     let (db, tables) = Db::open_with(args, "processed_events").await?;
+    if !dry_run {
+        let batch = pruning.batch_size;
+        let expired = with_pool!(&db, pool =>
+            idem::dead_letter::prune_archive(pool, &tables, group, archive_expiry, batch).await?);
+        if !json {
+            println!(
+                "deleted {expired} archived dead letter(s) discarded over {} ago",
+                format_duration(archive_expiry)
+            );
+        }
+    }
     if let Db::Postgres(pool) = &db
         && let Some(period) = idem::store::partitions::stored_period(pool, &tables).await?
     {

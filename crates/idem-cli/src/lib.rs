@@ -5,6 +5,7 @@ pub mod audit;
 pub mod cli;
 pub mod commands;
 pub mod db;
+pub mod dead_letters;
 pub mod demo;
 pub mod embedded_log;
 pub mod inbox;

@@ -25,7 +25,10 @@ pub enum ParkedCommand {
         /// At most this many.
         #[arg(long, default_value_t = 100)]
         limit: i64,
-        /// Print one JSON array instead of a table.
+        /// Where messages say their type, part of the failure fingerprint: `header:NAME` or `json:/POINTER`.
+        #[arg(long, env = "IDEM_MESSAGE_TYPE", value_name = "WHERE")]
+        message_type: Option<String>,
+        /// Print one JSON array instead of a table (with each failing message's failure fingerprint).
         #[arg(long)]
         json: bool,
     },
@@ -65,7 +68,12 @@ pub enum ParkedCommand {
 /// Runs an `idem parked` command.
 pub async fn run(command: ParkedCommand) -> anyhow::Result<ExitCode> {
     match command {
-        ParkedCommand::List { db, group, limit, json } => {
+        ParkedCommand::List { db, group, limit, message_type, json } => {
+            let typing = message_type
+                .as_deref()
+                .map(idem::dead_letter::groups::MessageType::parse)
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("--message-type: {e}"))?;
             let (pool, tables) = Db::open_with(&db, "parked_messages").await?;
             let parked =
                 with_pool!(&pool, pool => idem::delayed_retry::list(pool, &tables, group.as_deref(), limit).await?);
@@ -73,7 +81,13 @@ pub async fn run(command: ParkedCommand) -> anyhow::Result<ExitCode> {
                 let rows: Vec<serde_json::Value> = parked
                     .iter()
                     .map(|p| {
+                        let message = p.message();
+                        let fingerprint = p.error.as_deref().map(|error| {
+                            let message_type = typing.as_ref().and_then(|t| t.of(&message.headers, &message.payload));
+                            idem::dead_letter::groups::fingerprint(&p.consumer_group, message_type.as_deref(), error)
+                        });
                         serde_json::json!({
+                            "fingerprint": fingerprint,
                             "id": p.id, "consumer_group": p.consumer_group, "event_id": p.event_id,
                             "topic": p.topic, "partition": p.partition, "offset": p.offset,
                             "key": p.key.as_deref().map(String::from_utf8_lossy),

@@ -1,6 +1,8 @@
 //! Failure groups: `idem dead-letters groups` puts dead letters that failed the same way together whatever the
 //! values in their reasons, `list --fingerprint` shows one group, and `replay --fingerprint` replays that group
-//! only. On SQLite and the embedded log, through the `idem` binary.
+//! only; `discard` moves letters to the archive with who, when and why, `prune` expires the archive, and a replay
+//! older than the markers kept is refused without `--force`. On SQLite and the embedded log, through the `idem`
+//! binary.
 
 use std::process::Command;
 use std::time::Duration;
@@ -44,10 +46,11 @@ impl Handler<sqlx::Sqlite> for Ledger {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dead_letters_grouped_by_how_they_failed() {
+/// Twelve payments applied and five dead-lettered (three to accounts that do not exist, typed `payment` once and
+/// `refund` twice in a `type` header; two with amounts that are not numbers); the database URL and the log.
+async fn dead_lettered(name: &str) -> (std::path::PathBuf, String, std::path::PathBuf) {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    let dir = std::env::temp_dir().join(format!("idem-cli-groups-{}-{nanos}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("idem-cli-{name}-{}-{nanos}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let url = format!("sqlite://{}/ledger.db", dir.display());
     let log_dir = dir.join("log");
@@ -56,16 +59,16 @@ async fn dead_letters_grouped_by_how_they_failed() {
     let producer = log.producer();
     let mut payloads = Vec::new();
     for n in 0..12 {
-        payloads.push(format!(r#"{{"id":"ok-{n}","account":{},"amount":100}}"#, n + 1));
+        payloads.push((format!(r#"{{"id":"ok-{n}","account":{},"amount":100}}"#, n + 1), "payment"));
     }
-    for account in [101, 205, 3_333, 47] {
-        payloads.push(format!(r#"{{"id":"missing-{account}","account":{account},"amount":100}}"#));
+    for (account, kind) in [(101, "payment"), (205, "refund"), (3_333, "refund"), (47, "payment")] {
+        payloads.push((format!(r#"{{"id":"missing-{account}","account":{account},"amount":100}}"#), kind));
     }
     for (n, amount) in ["\"12.00 EUR\"", "\"9,99\""].iter().enumerate() {
-        payloads.push(format!(r#"{{"id":"amount-{n}","account":1,"amount":{amount}}}"#));
+        payloads.push((format!(r#"{{"id":"amount-{n}","account":1,"amount":{amount}}}"#), "payment"));
     }
-    for payload in &payloads {
-        producer.send("payments", None, payload.as_bytes(), &[]).unwrap();
+    for (payload, kind) in &payloads {
+        producer.send("payments", None, payload.as_bytes(), &[("type".to_owned(), kind.as_bytes().to_vec())]).unwrap();
     }
     producer.flush().unwrap();
 
@@ -81,7 +84,12 @@ async fn dead_letters_grouped_by_how_they_failed() {
         .unwrap();
     assert_eq!(stats.dead_lettered, 5, "{stats:?}");
     pool.close().await;
+    (dir, url, log_dir)
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_grouped_by_how_they_failed() {
+    let (dir, url, log_dir) = dead_lettered("groups").await;
     let groups = json(&["dead-letters", "groups", "--database-url", &url, "--json"]);
     let groups = groups.as_array().unwrap();
     assert_eq!(groups.len(), 2, "accounts and amounts: {groups:?}");
@@ -110,5 +118,88 @@ async fn dead_letters_grouped_by_how_they_failed() {
     let entry = &audit.as_array().unwrap()[0];
     assert_eq!((entry["action"].as_str(), entry["count"].as_i64()), (Some("dead-letters replay"), Some(3)), "{audit}");
     assert!(entry["subjects"].as_str().unwrap().contains(&accounts), "the replay names its failure group: {audit}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn ids(letters: &Value) -> Vec<&str> {
+    letters.as_array().unwrap().iter().map(|l| l["event_id"].as_str().unwrap()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discarded_letters_are_archived_and_old_ones_replay_only_when_forced() {
+    let (dir, url, log_dir) = dead_lettered("discard").await;
+    let db = ["--database-url", url.as_str()];
+
+    // The message type splits the accounts' group in two.
+    let typed = json(&[&["dead-letters", "groups", "--message-type", "header:type", "--json"], &db[..]].concat());
+    let typed = typed.as_array().unwrap();
+    assert_eq!(typed.len(), 3, "{typed:?}");
+    let refunds = typed.iter().find(|g| g["message_type"] == "refund").unwrap();
+    assert_eq!((refunds["count"].as_i64(), refunds["pattern"].as_str()), (Some(2), Some("account # does not exist")));
+    let refunds = refunds["fingerprint"].as_str().unwrap();
+    let bad = idem().args(["dead-letters", "groups", "--message-type", "type"]).args(db).output().unwrap();
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("header:NAME"), "{bad:?}");
+
+    // A discard names what it takes and says why.
+    let out = idem().args(["dead-letters", "discard", "--reason", "x"]).args(db).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("name the dead letters to discard"), "{out:?}");
+    let out = idem()
+        .args(["dead-letters", "discard", "--failure-group", refunds, "--message-type", "header:type"])
+        .args(db)
+        .args(["--reason", "refunds re-issued by hand", "--as", "alice"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let archived = json(&[&["dead-letters", "archived", "--json"], &db[..]].concat());
+    let mut discarded = ids(&archived);
+    discarded.sort_unstable();
+    assert_eq!(discarded, ["missing-205", "missing-3333"]);
+    let first = &archived.as_array().unwrap()[0];
+    assert_eq!(
+        (first["discarded_by"].as_str(), first["reason"].as_str()),
+        (Some("alice"), Some("refunds re-issued by hand"))
+    );
+    assert!(first["error"].as_str().unwrap().contains("does not exist"), "the letter is kept whole: {first}");
+    let left = json(&[&["dead-letters", "list", "--json"], &db[..]].concat());
+    assert_eq!(ids(&left), ["missing-101", "amount-0", "amount-1"]);
+    let audit = json(&[&["audit", "list", "--json"], &db[..]].concat());
+    let entry = &audit.as_array().unwrap()[0];
+    assert_eq!(
+        (entry["action"].as_str(), entry["actor"].as_str(), entry["count"].as_i64()),
+        (Some("dead-letters discard"), Some("alice"), Some(2))
+    );
+    let none = json(&[&["dead-letters", "list", "--older-than", "1h", "--json"], &db[..]].concat());
+    assert_eq!(ids(&none), Vec::<&str>::new(), "every letter failed within the hour");
+
+    // The archive outlives a prune within its expiry, not one past it.
+    let prune = |expiry: &str| {
+        let out = idem().args(["prune", "--retention", "8d", "--archive-expiry", expiry]).args(db).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        json(&[&["dead-letters", "archived", "--json"], &db[..]].concat()).as_array().unwrap().len()
+    };
+    assert_eq!(prune("30d"), 2);
+    assert_eq!(prune("1ms"), 0);
+
+    // Every marker pruned: a replay is refused unless forced.
+    let pool = idem::sqlite::connect(&url).await.unwrap();
+    sqlx::query("DELETE FROM processed_events").execute(&pool).await.unwrap();
+    pool.close().await;
+    let replay = |force: bool| {
+        let mut command = idem();
+        command.args(["dead-letters", "replay", "--matching", "account", "--log-dir"]).arg(&log_dir).args(db);
+        if force {
+            command.arg("--force");
+        }
+        command.output().unwrap()
+    };
+    let refused = replay(false);
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("refused") && stderr.contains("--force") && stderr.contains("pruned"), "{stderr}");
+    assert_eq!(ids(&json(&[&["dead-letters", "list", "--json"], &db[..]].concat())).len(), 3, "nothing replayed");
+    let forced = replay(true);
+    assert!(forced.status.success(), "{}", String::from_utf8_lossy(&forced.stderr));
+    assert!(String::from_utf8_lossy(&forced.stdout).contains("1 dead letter(s) replayed"));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -152,6 +152,9 @@ pub struct Pruning {
     pub batch_size: u32,
     /// Pause between two statements, so the consumer keeps the table. Default 200 ms.
     pub pause: Duration,
+    /// Discarded dead letters stay in the archive this long, then the background pruner deletes them
+    /// (`idem prune --archive-expiry` in one pass). Default 30 days.
+    pub archive_expiry: Duration,
 }
 
 impl Default for Pruning {
@@ -161,6 +164,7 @@ impl Default for Pruning {
             interval: Duration::from_secs(300),
             batch_size: 10_000,
             pause: Duration::from_millis(200),
+            archive_expiry: Duration::from_secs(30 * 86_400),
         }
     }
 }

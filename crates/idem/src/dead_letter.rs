@@ -3,9 +3,14 @@
 //! A replay must neither lose the message nor apply it twice. It runs in three steps: (1) one transaction
 //! deletes the event's marker and marks the row `replaying`; (2) the stored message is published again (with
 //! its original headers and payload, so it carries the same event id); (3) the row is deleted if it is still
-//! `replaying`. A crash between the steps leaves the row in place, and replaying it again is safe: the marker
-//! absorbs a second copy. If the replayed message fails again, the engine sets the row back to `dead` and
-//! step 3 leaves it.
+//! `replaying`. A crash between the steps leaves the row in place, and replaying it again is safe: step 1 of a
+//! row already `replaying` keeps the marker, which then absorbs a second copy. If the replayed message fails
+//! again, the engine sets the row back to `dead` and step 3 leaves it.
+//!
+//! Step 1 refuses a replay that could apply the effect twice ([`ReplayRisk`]): a letter older than every marker
+//! its consumer group keeps (the markers of its time were pruned, so a copy delivered since may have been
+//! applied without a trace; [`Safety::Forced`] accepts that), and a letter whose event was applied after it
+//! failed (never replayed; discard it instead).
 //!
 //! The copy carries the header `idem-replay-for: <group>`: other consumer groups of the topic skip it (it was
 //! delivered to them the first time), so a replay re-runs one group's handler only.
@@ -14,7 +19,10 @@ pub mod groups;
 
 use crate::error::Error;
 use crate::source::Publisher;
-use crate::store::{Backend, DeadLetter, Tables};
+use crate::store::archive::{ArchivedLetter, Discard};
+use crate::store::{Backend, DeadLetter, ReplayStart, Tables};
+
+pub use crate::store::ReplayRisk;
 
 /// The header that addresses a replayed copy to one consumer group.
 pub const REPLAY_FOR_HEADER: &str = "idem-replay-for";
@@ -32,13 +40,58 @@ pub async fn list<DB: Backend>(
     DB::dead_letters(pool, tables, group, limit).await
 }
 
-/// Replays one dead letter through `publisher`. Returns false when no replayable row has that id.
+/// Whether a replay goes ahead when the markers of the letter's time have been pruned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Safety {
+    /// Refuse it ([`ReplayRisk::MarkersPruned`]).
+    Checked,
+    /// Replay anyway: the operator checked that the effect was not applied (`--force`).
+    Forced,
+}
+
+/// How a replay ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replayed {
+    /// The copy is published.
+    Published,
+    /// No dead letter has that id any more.
+    Gone,
+    /// Not replayed: it could apply the effect twice.
+    Refused(ReplayRisk),
+}
+
+impl ReplayRisk {
+    /// Why `letter` is not replayed, and what to do instead.
+    pub fn explain(self, letter: &DeadLetter) -> String {
+        let failed = crate::store::rfc3339_from_ms(letter.last_failed_at_ms);
+        match self {
+            ReplayRisk::MarkersPruned => format!(
+                "dead letter {} failed at {failed}, before the oldest marker consumer group {:?} keeps: the markers of \
+                 its time were pruned (the marker retention), so a copy the broker delivered since could have been \
+                 applied without a trace, and a replay would apply it twice. Check its effect; replay with --force if \
+                 it is not there, or discard it",
+                letter.id, letter.consumer_group
+            ),
+            ReplayRisk::AppliedSince => format!(
+                "dead letter {}'s event {:?} was applied by consumer group {:?} after it failed at {failed} (its \
+                 marker is newer): a replay would apply it twice. Discard it with `idem dead-letters discard {}`",
+                letter.id,
+                letter.event_id.as_deref().unwrap_or(""),
+                letter.consumer_group,
+                letter.id
+            ),
+        }
+    }
+}
+
+/// Replays one dead letter through `publisher`, unless that could apply its effect twice (see the module).
 pub async fn replay<DB: Backend, P: Publisher>(
     pool: &sqlx::Pool<DB>,
     tables: &Tables,
     publisher: &P,
     letter: &DeadLetter,
-) -> Result<bool, Error> {
+    safety: Safety,
+) -> Result<Replayed, Error> {
     if letter.error.starts_with(ID_REUSED_PREFIX) {
         return Err(Error::Config(format!(
             "dead letter {} is an event whose id was already used by another event: replaying it under the same id \
@@ -46,8 +99,10 @@ pub async fn replay<DB: Backend, P: Publisher>(
             letter.id
         )));
     }
-    if !DB::begin_replay(pool, tables, letter.id).await? {
-        return Ok(false);
+    match DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced).await? {
+        ReplayStart::Started => {}
+        ReplayStart::Gone => return Ok(Replayed::Gone),
+        ReplayStart::Refused(risk) => return Ok(Replayed::Refused(risk)),
     }
     let mut copy = letter.message();
     copy.headers.retain(|(name, _)| name != REPLAY_FOR_HEADER);
@@ -55,5 +110,60 @@ pub async fn replay<DB: Backend, P: Publisher>(
     publisher.publish(&copy).await?;
     DB::finish_replay(pool, tables, letter.id).await?;
     tracing::info!(id = letter.id, consumer_group = %letter.consumer_group, event_id = letter.event_id.as_deref().unwrap_or(""), topic = %letter.topic, "dead letter replayed");
-    Ok(true)
+    Ok(Replayed::Published)
+}
+
+/// Discards dead letters: each, in one transaction, leaves the dead letters for the archive with who discarded
+/// it, when and why. Its marker stays, so a redelivery of the event is still absorbed. Returns how many were
+/// discarded (a letter under replay, or gone, is left).
+pub async fn discard<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    letters: &[DeadLetter],
+    actor: &str,
+    reason: &str,
+) -> Result<usize, Error> {
+    if reason.trim().is_empty() {
+        return Err(Error::Config("a discard needs a reason (--reason TEXT): the archive keeps it".into()));
+    }
+    let discard = Discard { actor, reason, at_ms: crate::engine::now_ms() };
+    let mut discarded = 0;
+    for letter in letters {
+        if DB::archive_dead_letter(pool, tables, letter, &discard).await? {
+            discarded += 1;
+            tracing::info!(id = letter.id, consumer_group = %letter.consumer_group, actor, reason, "dead letter discarded into the archive");
+        }
+    }
+    Ok(discarded)
+}
+
+/// Discarded dead letters, newest first, of one group or of all.
+pub async fn archived<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    group: Option<&str>,
+    limit: i64,
+) -> Result<Vec<ArchivedLetter>, Error> {
+    Ok(DB::archived_letters(pool, tables, group, limit).await?)
+}
+
+/// Deletes the archived letters (of `group`, or of every group) discarded more than `expiry` ago, in statements
+/// of at most `batch_size` rows; how many went.
+pub async fn prune_archive<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    group: Option<&str>,
+    expiry: std::time::Duration,
+    batch_size: u32,
+) -> Result<u64, Error> {
+    let before = crate::engine::now_ms().saturating_sub(i64::try_from(expiry.as_millis()).unwrap_or(i64::MAX));
+    let limit = i64::from(batch_size.max(1));
+    let mut deleted = 0;
+    loop {
+        let n = DB::prune_archive_batch(pool, tables, group, before, limit).await?;
+        deleted += n;
+        if n < limit as u64 {
+            return Ok(deleted);
+        }
+    }
 }

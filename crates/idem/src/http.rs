@@ -59,8 +59,9 @@ impl Readiness {
 pub trait Probe: Clone + Send + Sync + 'static {
     /// `/readyz`.
     fn readiness(&self) -> impl Future<Output = Readiness> + Send;
-    /// `POST /resume`: `Some(was paused)` where there is a kill switch to close, `None` where there is none.
-    fn resume(&self) -> Option<bool>;
+    /// `POST /resume` by `actor` (the `X-Idem-Actor` header or `?as=NAME`): `Some(was paused)` where there is a
+    /// kill switch to close (and the audit trail records it), `None` where there is none.
+    fn resume(&self, actor: &str) -> impl Future<Output = Option<bool>> + Send;
 }
 
 impl<DB: Backend> Probe for Engine<DB> {
@@ -83,10 +84,8 @@ impl<DB: Backend> Probe for Engine<DB> {
         Readiness { stalled: health.stalled, ..Readiness::ready(Some(health.partitions)) }
     }
 
-    fn resume(&self) -> Option<bool> {
-        let paused = self.health().paused;
-        Engine::resume(self);
-        Some(paused)
+    async fn resume(&self, actor: &str) -> Option<bool> {
+        Some(self.resume_as(actor).await)
     }
 }
 
@@ -111,8 +110,14 @@ impl<P: Probe> Probe for Vec<P> {
         }
     }
 
-    fn resume(&self) -> Option<bool> {
-        self.iter().filter_map(Probe::resume).reduce(|a, b| a || b)
+    async fn resume(&self, actor: &str) -> Option<bool> {
+        let mut resumed = None;
+        for probe in self {
+            if let Some(paused) = probe.resume(actor).await {
+                resumed = Some(resumed.unwrap_or(false) || paused);
+            }
+        }
+        resumed
     }
 }
 
@@ -134,7 +139,7 @@ impl<DB: sqlx::Database> Probe for DatabaseProbe<DB> {
         if reachable { Readiness::ready(None) } else { Readiness::not("database unreachable") }
     }
 
-    fn resume(&self) -> Option<bool> {
+    async fn resume(&self, _actor: &str) -> Option<bool> {
         None
     }
 }
@@ -191,8 +196,16 @@ async fn readyz<P: Probe>(State(probe): State<P>) -> Response {
     (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
-async fn resume<P: Probe>(State(probe): State<P>) -> Response {
-    match probe.resume() {
+/// Who asked for a resume: the `X-Idem-Actor` header, else `?as=NAME`, else `http`.
+fn actor(headers: &axum::http::HeaderMap, uri: &axum::http::Uri) -> String {
+    let from_header = headers.get("x-idem-actor").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let from_query =
+        || uri.query()?.split('&').find_map(|pair| pair.strip_prefix("as=")).map(|name| name.replace('+', " "));
+    from_header.or_else(from_query).filter(|name| !name.trim().is_empty()).unwrap_or_else(|| "http".to_owned())
+}
+
+async fn resume<P: Probe>(State(probe): State<P>, headers: axum::http::HeaderMap, uri: axum::http::Uri) -> Response {
+    match probe.resume(&actor(&headers, &uri)).await {
         Some(true) => (StatusCode::OK, "resumed\n").into_response(),
         Some(false) => (StatusCode::OK, "not paused\n").into_response(),
         None => (StatusCode::NOT_FOUND, "nothing to resume here\n").into_response(),

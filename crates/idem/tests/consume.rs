@@ -6,8 +6,9 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::{Ledger, TestPool, config, ledger_rows, ledger_total, markers, temp_dir};
+use idem::dead_letter::{ReplayRisk, Replayed, Safety};
 use idem::embedded::{ConsumerOptions, EmbeddedLog};
-use idem::{Backend, BatchHandler, Engine, Event, Handler, HandlerError, Tables};
+use idem::{Backend, BatchHandler, Engine, Event, Handler, HandlerError, Publisher, Tables};
 
 type Pool<DB> = sqlx::Pool<DB>;
 
@@ -147,7 +148,7 @@ where
     pool.exec("DELETE FROM blocked WHERE id = 'p3'").await;
     let producer = log.producer();
     for letter in &letters {
-        assert!(idem::dead_letter::replay(&pool, &tables, &producer, letter).await.unwrap());
+        assert_eq!(replay(&pool, &producer, letter, Safety::Checked).await, Replayed::Published);
     }
     assert_eq!(markers(&pool, "p3").await, 0, "replay removed the marker");
     let stats = run().await;
@@ -160,9 +161,77 @@ where
     assert_eq!((left[0].event_id.as_deref(), left[0].status.as_str()), (Some("p5"), "dead"));
     assert_ne!(left[0].id, letters[1].id);
     // Replaying a row that is gone is refused rather than publishing twice.
-    assert!(!idem::dead_letter::replay(&pool, &tables, &producer, &letters[0]).await.unwrap());
+    assert_eq!(replay(&pool, &producer, &letters[0], Safety::Checked).await, Replayed::Gone);
 }
 on_every_store!(dead_letter_replay);
+
+async fn replay<DB: Backend>(
+    pool: &Pool<DB>,
+    producer: &idem::embedded::LogProducer,
+    letter: &idem::store::DeadLetter,
+    safety: Safety,
+) -> Replayed {
+    idem::dead_letter::replay(pool, &Tables::default(), producer, letter, safety).await.unwrap()
+}
+
+/// A replay that could apply an effect twice is refused: a letter older than every marker its group keeps
+/// (pruned markers) unless forced, a letter whose event was applied after it failed always. A replay cut
+/// between its publish and its last step, replayed again, keeps the applied copy's marker: applied once.
+async fn dead_letter_replay_never_applies_twice<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    common::setup(&pool).await;
+    let dir = temp_dir();
+    let log = EmbeddedLog::open(&dir.0).unwrap();
+    log.create_topic("payments", 1).unwrap();
+    pool.exec("INSERT INTO blocked (id) VALUES ('p1'), ('p2'), ('p3')").await;
+    produce(&log, 0, 5, "");
+    let run = || async {
+        let engine = Engine::new(pool.clone(), config(10)).unwrap();
+        let source = log.consumer("ledger-writer", &["payments"], until_end()).unwrap();
+        engine.run(source, Ledger::default(), std::future::pending::<()>()).await.unwrap()
+    };
+    assert_eq!(run().await.dead_lettered, 3);
+    pool.exec("DELETE FROM blocked").await;
+    let tables = Tables::default();
+    let letters = idem::dead_letter::list(&pool, &tables, None, 10).await.unwrap();
+    let producer = log.producer();
+
+    // p3: its marker is newer than its failure (a copy was applied after the marker of its failure was
+    // pruned): refused, forced or not.
+    let aged = Pool::<DB>::TEN_DAYS_EARLIER.replace("processed_at", "last_failed_at");
+    pool.exec(&format!("UPDATE dead_letters SET last_failed_at = {aged} WHERE event_id = 'p3'")).await;
+    for safety in [Safety::Checked, Safety::Forced] {
+        let refused = replay(&pool, &producer, &letters[2], safety).await;
+        assert_eq!(refused, Replayed::Refused(ReplayRisk::AppliedSince));
+    }
+    assert_eq!(markers(&pool, "p3").await, 1, "a refused replay keeps the marker");
+
+    // p1: step 1 and the publish ran, the copy was applied, the last step never ran; a second replay must not
+    // delete the applied copy's marker.
+    let start = DB::begin_replay(&pool, &tables, letters[0].id, false).await.unwrap();
+    assert_eq!(start, idem::store::ReplayStart::Started);
+    let mut copy = letters[0].message();
+    copy.headers.push((idem::dead_letter::REPLAY_FOR_HEADER.into(), letters[0].consumer_group.clone().into_bytes()));
+    producer.publish(&copy).await.unwrap();
+    assert_eq!(run().await.processed, 1);
+    assert_eq!(replay(&pool, &producer, &letters[0], Safety::Checked).await, Replayed::Published);
+    assert_eq!(run().await.duplicate, 1, "the second copy is absorbed by the first copy's marker");
+    assert_eq!(ledger_rows(&pool, "p1").await, 1);
+
+    // p2: every marker of the group is gone (pruned): refused, then forced.
+    pool.exec("DELETE FROM processed_events").await;
+    let refused = replay(&pool, &producer, &letters[1], Safety::Checked).await;
+    assert_eq!(refused, Replayed::Refused(ReplayRisk::MarkersPruned));
+    assert!(ReplayRisk::MarkersPruned.explain(&letters[1]).contains("--force"));
+    assert_eq!(ledger_rows(&pool, "p2").await, 0);
+    assert_eq!(replay(&pool, &producer, &letters[1], Safety::Forced).await, Replayed::Published);
+    assert_eq!(run().await.processed, 1);
+    assert_eq!(ledger_rows(&pool, "p2").await, 1);
+}
+on_every_store!(dead_letter_replay_never_applies_twice);
 
 /// Serialization failures (40001), deadlocks (40P01) and a lost connection are retried, and the event is
 /// applied once.

@@ -67,7 +67,10 @@ where
 
     // Fixed, then resumed: everything else is applied once.
     pool.exec("ALTER TABLE ledger_away RENAME TO ledger").await;
-    engine.resume();
+    assert!(engine.resume_as("alice").await, "it was paused");
+    let audited = "SELECT COUNT(*) FROM audit_log WHERE actor = 'alice' AND action = 'resume' \
+                   AND subjects = 'consumer group ledger-writer' AND outcome = 'ok: resumed'";
+    assert_eq!(pool.scalar(audited).await, 1, "the audit trail says who resumed which consumer");
     let applied = EVENTS - dead;
     wait_for("the rest of the log", async || pool.scalar("SELECT COUNT(*) FROM ledger").await >= applied).await;
     assert!(!engine.health().paused);

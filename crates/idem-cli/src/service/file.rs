@@ -95,6 +95,8 @@ pub struct Consumer {
     pub delayed_retries: Option<Spanned<DelayedRetriesFile>>,
     /// How long markers are kept (`8d`); the retention guard checks it against the broker at start-up.
     pub marker_retention: Option<Spanned<String>>,
+    /// How long discarded dead letters stay in the archive (`30d`, the default) before the pruner deletes them.
+    pub dead_letter_archive_expiry: Option<Spanned<String>>,
     /// `plain` (default), `partitioned-day` or `partitioned-month` (PostgreSQL).
     pub layout: Option<Spanned<String>>,
     /// With a partitioned layout: how long the broker may redeliver (`7d`).

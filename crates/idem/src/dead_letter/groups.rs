@@ -6,6 +6,9 @@
 //! has another than `invalid input syntax for type integer: "12.00 EUR"`. The fingerprint's id is the first 12 hex
 //! digits of the SHA-256 of the group and the stripped reason: stable across processes and versions, short enough
 //! to type (`idem dead-letters replay --fingerprint 3f9a0c…`).
+//!
+//! Where messages say their type ([`MessageType`]: a header, or a JSON pointer into the payload), the type is
+//! part of the fingerprint too: `OrderPlaced` and `OrderCancelled` failing the same way are two groups.
 
 use std::collections::BTreeMap;
 
@@ -62,14 +65,67 @@ fn is_error_code(word: &str) -> bool {
     word.len() == 5 && word.chars().all(|c| c.is_ascii_digit() || c.is_ascii_uppercase())
 }
 
-/// The fingerprint id of a failure: 12 hex digits of the SHA-256 of the consumer group and the stripped reason.
-pub fn fingerprint(consumer_group: &str, reason: &str) -> String {
+/// The fingerprint id of a failure: 12 hex digits of the SHA-256 of the consumer group, the message type (when
+/// known) and the stripped reason.
+pub fn fingerprint(consumer_group: &str, message_type: Option<&str>, reason: &str) -> String {
     use sha2::Digest;
     let mut hasher = sha2::Sha256::new();
     hasher.update(consumer_group.as_bytes());
     hasher.update([0]);
+    if let Some(message_type) = message_type {
+        hasher.update(b"\x01type\x00");
+        hasher.update(message_type.as_bytes());
+        hasher.update([0]);
+    }
     hasher.update(strip_reason(reason).as_bytes());
     hasher.finalize().iter().take(6).map(|b| format!("{b:02x}")).collect()
+}
+
+/// Where a message says its type: a header, or a JSON pointer into the payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MessageType {
+    /// The value of this header.
+    Header(String),
+    /// The string (or number) at this JSON pointer (RFC 6901, `/type`, `/meta/kind`) of a JSON payload.
+    Pointer(String),
+}
+
+impl MessageType {
+    /// `header:NAME` or `json:/POINTER`.
+    pub fn parse(text: &str) -> Result<MessageType, String> {
+        match text.split_once(':') {
+            Some(("header", name)) if !name.trim().is_empty() => Ok(MessageType::Header(name.trim().to_owned())),
+            Some(("json", pointer)) if pointer.starts_with('/') => Ok(MessageType::Pointer(pointer.to_owned())),
+            _ => Err(format!(
+                "message type {text:?}: write header:NAME (a header holds the type) or json:/POINTER (a JSON \
+                 pointer into the payload, such as json:/type)"
+            )),
+        }
+    }
+
+    /// The type `headers` and `payload` say, when they say one.
+    pub fn of(&self, headers: &[(String, Vec<u8>)], payload: &[u8]) -> Option<String> {
+        match self {
+            MessageType::Header(name) => headers
+                .iter()
+                .find(|(n, _)| n.eq_ignore_ascii_case(name))
+                .map(|(_, value)| String::from_utf8_lossy(value).into_owned()),
+            MessageType::Pointer(pointer) => {
+                let json: serde_json::Value = serde_json::from_slice(payload).ok()?;
+                match json.pointer(pointer)? {
+                    serde_json::Value::String(s) => Some(s.clone()),
+                    serde_json::Value::Number(n) => Some(n.to_string()),
+                    _ => None,
+                }
+            }
+        }
+    }
+}
+
+/// A dead letter's fingerprint id, with its type read as `typing` says.
+pub fn fingerprint_of(letter: &DeadLetter, typing: Option<&MessageType>) -> String {
+    let message_type = typing.and_then(|t| t.of(&letter.headers, &letter.payload));
+    fingerprint(&letter.consumer_group, message_type.as_deref(), &letter.error)
 }
 
 /// Dead letters that failed the same way.
@@ -79,6 +135,8 @@ pub struct FailureGroup {
     pub fingerprint: String,
     /// The consumer group.
     pub consumer_group: String,
+    /// The message type, where one is configured and the messages say it.
+    pub message_type: Option<String>,
     /// The reason with its variable parts stripped.
     pub pattern: String,
     /// How many dead letters.
@@ -93,14 +151,17 @@ pub struct FailureGroup {
     pub ids: Vec<i64>,
 }
 
-/// Groups `letters` by fingerprint, the largest group first (then the most recent).
-pub fn group(letters: &[DeadLetter]) -> Vec<FailureGroup> {
+/// Groups `letters` by fingerprint (each one's type read as `typing` says), the largest group first (then the
+/// most recent).
+pub fn group(letters: &[DeadLetter], typing: Option<&MessageType>) -> Vec<FailureGroup> {
     let mut groups: BTreeMap<String, FailureGroup> = BTreeMap::new();
     for letter in letters {
-        let id = fingerprint(&letter.consumer_group, &letter.error);
+        let message_type = typing.and_then(|t| t.of(&letter.headers, &letter.payload));
+        let id = fingerprint(&letter.consumer_group, message_type.as_deref(), &letter.error);
         let group = groups.entry(id.clone()).or_insert_with(|| FailureGroup {
             fingerprint: id,
             consumer_group: letter.consumer_group.clone(),
+            message_type,
             pattern: strip_reason(&letter.error),
             count: 0,
             first_failed_at_ms: letter.first_failed_at_ms,
@@ -146,10 +207,30 @@ mod tests {
 
     #[test]
     fn fingerprints_tell_groups_and_failures_apart() {
-        let a = fingerprint("ledger", "account 17 does not exist");
+        let a = fingerprint("ledger", None, "account 17 does not exist");
         assert_eq!(a.len(), 12);
-        assert_eq!(a, fingerprint("ledger", "account 99 does not exist"));
-        assert_ne!(a, fingerprint("billing", "account 17 does not exist"));
-        assert_ne!(a, fingerprint("ledger", "relation \"accounts\" does not exist"));
+        assert_eq!(a, fingerprint("ledger", None, "account 99 does not exist"));
+        assert_ne!(a, fingerprint("billing", None, "account 17 does not exist"));
+        assert_ne!(a, fingerprint("ledger", None, "relation \"accounts\" does not exist"));
+        assert_ne!(a, fingerprint("ledger", Some("PaymentReceived"), "account 17 does not exist"));
+        assert_ne!(
+            fingerprint("ledger", Some("PaymentReceived"), "account 17 does not exist"),
+            fingerprint("ledger", Some("RefundIssued"), "account 17 does not exist")
+        );
+    }
+
+    #[test]
+    fn message_types_come_from_a_header_or_a_json_pointer() {
+        let header = MessageType::parse("header:ce-type").unwrap();
+        let headers = vec![("CE-Type".to_owned(), b"order.placed".to_vec())];
+        assert_eq!(header.of(&headers, b"{}").as_deref(), Some("order.placed"));
+        assert_eq!(header.of(&[], b"{}"), None);
+        let pointer = MessageType::parse("json:/meta/kind").unwrap();
+        assert_eq!(pointer.of(&[], br#"{"meta":{"kind":"refund"}}"#).as_deref(), Some("refund"));
+        assert_eq!(pointer.of(&[], br#"{"meta":{"kind":7}}"#).as_deref(), Some("7"));
+        assert_eq!(pointer.of(&[], b"not json"), None);
+        for bad in ["type", "header:", "json:type", "xml:/a"] {
+            assert!(MessageType::parse(bad).unwrap_err().contains("header:NAME"), "{bad}");
+        }
     }
 }

@@ -7,8 +7,8 @@ use crate::error::Error;
 use crate::store::Backend;
 
 impl<DB: Backend> Engine<DB> {
-    /// The consumer's background housekeeping: the marker gauges every `stats_interval` and, when a retention
-    /// is set, a pruning pass every `pruning.interval`. Failures are logged and tried again next time.
+    /// The consumer's background housekeeping: the marker gauges every `stats_interval`, and every
+    /// `pruning.interval` the expired archived dead letters and, when a retention is set, the expired markers. Failures are logged and tried again next time.
     pub(super) async fn housekeeping(self) {
         let config = &self.inner.config;
         let mut stats = tokio::time::interval(config.stats_interval);
@@ -18,9 +18,7 @@ impl<DB: Backend> Engine<DB> {
         loop {
             tokio::select! {
                 _ = stats.tick() => self.publish_marker_gauges().await,
-                _ = prune.tick(), if config.pruning.retention.is_some() || self.partitioned().is_some() => {
-                    self.prune_once().await
-                }
+                _ = prune.tick() => self.prune_once().await,
             }
         }
     }
@@ -83,6 +81,7 @@ impl<DB: Backend> Engine<DB> {
     }
 
     pub(super) async fn prune_once(&self) {
+        self.prune_archive().await;
         if self.partitioned().is_some() {
             return self.maintain_partitions().await;
         }
@@ -108,6 +107,22 @@ impl<DB: Backend> Engine<DB> {
                     longest_ms = report.longest_statement.as_millis() as u64, "markers pruned");
             }
             Err(error) => tracing::warn!(%error, "pruning markers failed; trying again at the next interval"),
+        }
+    }
+
+    /// Deletes the group's discarded dead letters older than `pruning.archive_expiry`.
+    async fn prune_archive(&self) {
+        let config = &self.inner.config;
+        let (pool, pruning) = (&self.inner.pool, &config.pruning);
+        let group = Some(config.group.as_str());
+        match crate::dead_letter::prune_archive(pool, &config.tables, group, pruning.archive_expiry, pruning.batch_size)
+            .await
+        {
+            Ok(0) => {}
+            Ok(deleted) => tracing::info!(consumer_group = %config.group, deleted, "archived dead letters expired"),
+            Err(error) => {
+                tracing::warn!(%error, "pruning the dead-letter archive failed; trying again at the next interval")
+            }
         }
     }
 

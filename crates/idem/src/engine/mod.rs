@@ -153,6 +153,21 @@ impl<DB: Backend> Engine<DB> {
         self.inner.breaker.resume();
     }
 
+    /// [`Engine::resume`] on an operator's request, written to the audit trail (who, the consumer group, whether
+    /// it was paused). A trail that cannot be written is logged; the resume stands. Returns whether it was paused.
+    pub async fn resume_as(&self, actor: &str) -> bool {
+        let paused = self.health().paused;
+        self.resume();
+        let config = &self.inner.config;
+        let subjects = format!("consumer group {}", config.group);
+        let outcome = if paused { "ok: resumed" } else { "ok: was not paused" };
+        let entry = crate::audit::AuditEntry::now(actor, "resume", subjects, i64::from(paused), outcome);
+        if let Err(error) = crate::audit::record(&self.inner.pool, &config.tables, &entry).await {
+            tracing::warn!(%error, actor, "resumed, but the audit trail could not record it (run `idem migrate`)");
+        }
+        paused
+    }
+
     /// How many times the kill switch tripped since the engine was built.
     pub fn kill_switch_trips(&self) -> u64 {
         self.inner.breaker.trips()

@@ -5,6 +5,7 @@
 //! same functions over its own SQL; the SQL lives in `sql/<backend>/`, written with `{t}` for the (optionally
 //! schema-qualified) table prefix and `{p}` for the bare prefix used in index names.
 
+pub mod archive;
 pub mod audit;
 pub(crate) mod connect;
 mod dead_letter_row;
@@ -16,6 +17,7 @@ pub mod mysql;
 pub mod postgres;
 pub use postgres::partitions;
 mod replay;
+pub use replay::{ReplayRisk, ReplayStart};
 pub mod sqlite;
 
 use std::future::Future;
@@ -154,13 +156,14 @@ pub trait Operations: Store {
         group: Option<&str>,
         limit: i64,
     ) -> impl Future<Output = Result<Vec<DeadLetter>, Error>> + Send;
-    /// First step of a replay, in one transaction: deletes the event's marker and marks the row `replaying`.
-    /// Returns false when the row is gone or not in a state that can be replayed.
+    /// First step of a replay, in one transaction: deletes the event's marker and marks the row `replaying`,
+    /// unless replaying could apply the effect twice (see [`ReplayRisk`]; `force` accepts pruned markers).
     fn begin_replay(
         pool: &sqlx::Pool<Self>,
         tables: &Tables,
         id: i64,
-    ) -> impl Future<Output = Result<bool, Error>> + Send;
+        force: bool,
+    ) -> impl Future<Output = Result<ReplayStart, Error>> + Send;
     /// Deletes at most `limit` markers older than `older_than` (of `group`, or of every group) in one statement
     /// (PostgreSQL: by `ctid`; SQLite: by `rowid`) and returns how many went.
     fn prune_batch(
@@ -201,12 +204,12 @@ pub trait Operations: Store {
 
 /// A store idem consumes into and operates on: [`Store`], [`Operations`], [`parking::Parking`] and
 /// [`audit::AuditTrail`] together.
-pub trait Backend: Store + Operations + parking::Parking + audit::AuditTrail {
+pub trait Backend: Store + Operations + parking::Parking + audit::AuditTrail + archive::Archive {
     /// `postgres` or `sqlite` ([`Store::NAME`]).
     const NAME: &'static str;
 }
 
-impl<DB: Store + Operations + parking::Parking + audit::AuditTrail> Backend for DB {
+impl<DB: Store + Operations + parking::Parking + audit::AuditTrail + archive::Archive> Backend for DB {
     const NAME: &'static str = <DB as Store>::NAME;
 }
 
@@ -426,7 +429,7 @@ pub fn rfc3339_from_ms(ms: i64) -> String {
     format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}.{milli:03}Z")
 }
 
-fn rfc3339<S: serde::Serializer>(ms: &i64, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn rfc3339<S: serde::Serializer>(ms: &i64, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&rfc3339_from_ms(*ms))
 }
 

@@ -6,7 +6,7 @@ use std::future::Future;
 
 use crate::error::Error;
 use crate::message::Message;
-use crate::store::{Store, Tables, decode_headers, encode_headers};
+use crate::store::{Store, Tables, decode_headers};
 
 /// A message about to be parked.
 #[derive(Debug)]
@@ -230,7 +230,6 @@ const COLUMNS: &str = r#"id, consumer_group, event_id, topic, partition, "offset
 pub(crate) struct Statements {
     pub exists: String,
     pub park: String,
-    pub parked_keys: fn(&Tables, usize) -> String,
     pub due: String,
     pub lease: String,
     pub lease_counted: String,
@@ -269,21 +268,6 @@ impl Statements {
                      key, payload, headers, timestamp_ms, attempts, delayed_retries, error, history, parked_at, due_at)
                    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?) {conflict}"#
             )),
-            parked_keys: match style {
-                Style::Postgres => |tables, _| {
-                    tables.render(
-                        "SELECT DISTINCT order_key FROM {t}parked_messages WHERE consumer_group = $1 \
-                         AND order_key = ANY($2)",
-                    )
-                },
-                Style::Sqlite | Style::MySql => |tables, n| {
-                    tables.render(&format!(
-                        "SELECT DISTINCT order_key FROM {{t}}parked_messages WHERE consumer_group = ? AND order_key \
-                         IN {}",
-                        placeholders(n)
-                    ))
-                },
-            },
             due: render(
                 "SELECT p.id FROM {t}parked_messages p
                   WHERE p.consumer_group = ? AND p.due_at <= ?
@@ -361,7 +345,7 @@ macro_rules! impl_parking {
                     .bind(m.offset)
                     .bind(m.key.as_deref())
                     .bind(m.payload.as_slice())
-                    .bind($crate::store::parking::encode(&m.headers))
+                    .bind($crate::store::encode_headers(&m.headers))
                     .bind(m.timestamp_ms)
                     .bind(p.attempts)
                     .bind(p.error)
@@ -382,8 +366,7 @@ macro_rules! impl_parking {
                 if order_keys.is_empty() {
                     return Ok(Vec::new());
                 }
-                let sql =
-                    ($crate::store::parking::Statements::new(tables, $style).parked_keys)(tables, order_keys.len());
+                let sql = $crate::store::parking::parked_keys_sql(tables, $style, order_keys.len());
                 $crate::store::parking::bind_keys!($keys, sqlx::query_scalar(&sql).bind(group), order_keys)
                     .fetch_all(&mut *conn)
                     .await
@@ -506,9 +489,18 @@ macro_rules! bind_keys {
 }
 pub(crate) use bind_keys;
 
-/// The headers column's form (see [`encode_headers`]).
-pub(crate) fn encode(headers: &[(String, Vec<u8>)]) -> String {
-    encode_headers(headers)
+/// [`Parking::parked_keys`]'s statement for `n` order keys: one array on PostgreSQL, a placeholder each elsewhere.
+/// Rendered on its own, since it runs for every batch.
+pub(crate) fn parked_keys_sql(tables: &Tables, style: Style, n: usize) -> String {
+    match style {
+        Style::Postgres => tables.render(
+            "SELECT DISTINCT order_key FROM {t}parked_messages WHERE consumer_group = $1 AND order_key = ANY($2)",
+        ),
+        Style::Sqlite | Style::MySql => tables.render(&format!(
+            "SELECT DISTINCT order_key FROM {{t}}parked_messages WHERE consumer_group = ? AND order_key IN {}",
+            placeholders(n)
+        )),
+    }
 }
 
 #[cfg(test)]

@@ -3,53 +3,132 @@
 
 use sqlx::{Connection, Pool};
 
-use super::{Store, Tables};
+use super::Tables;
+use super::parking::Style;
 use crate::error::Error;
 
-/// First step, in one transaction opened with `begin` (a store's statement for a transaction that will write):
-/// marks the row `replaying` and deletes its event's marker. `false` when the row is gone.
-pub(crate) async fn begin<DB>(pool: &Pool<DB>, tables: &Tables, id: i64, begin: &'static str) -> Result<bool, Error>
+/// How the first step of a replay ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplayStart {
+    /// The row is `replaying` and its event's marker is gone: publish the copy.
+    Started,
+    /// No dead letter has that id any more (replayed or discarded since).
+    Gone,
+    /// Refused: replaying could apply the effect twice.
+    Refused(ReplayRisk),
+}
+
+/// Why a replay could apply an effect twice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplayRisk {
+    /// The consumer group keeps no marker as old as the letter's last failure: the markers of its time have
+    /// been pruned, so a copy the broker delivered since could have been applied and its marker pruned too.
+    /// `--force` (or [`crate::dead_letter::Safety::Forced`]) replays anyway.
+    MarkersPruned,
+    /// The event's marker was written after the letter failed: a later copy of the event was applied. Replaying
+    /// it would apply it a second time; this is refused even when forced.
+    AppliedSince,
+}
+
+/// What the first step needs of a store beyond its style: the time a marker may be written after its dead
+/// letter in the same transaction, in the store's SQL.
+fn within_a_minute_of_failure(style: Style) -> &'static str {
+    match style {
+        Style::Postgres => "d.last_failed_at + interval '1 minute'",
+        Style::Sqlite => "d.last_failed_at + 60000",
+        Style::MySql => "d.last_failed_at + INTERVAL 1 MINUTE",
+    }
+}
+
+/// First step, in one transaction: marks the row `replaying` and deletes its event's marker, unless the row is
+/// already `replaying` (an earlier replay deleted that marker; any marker there now is the replayed copy's, and
+/// must stay so that a second copy is absorbed). Unless `force`, a letter older than the group's markers is
+/// refused ([`ReplayRisk::MarkersPruned`]); a letter whose event was applied since is always refused.
+pub(crate) async fn begin<DB>(
+    pool: &Pool<DB>,
+    tables: &Tables,
+    style: Style,
+    id: i64,
+    force: bool,
+) -> Result<ReplayStart, Error>
 where
-    DB: Store,
+    DB: sqlx::Database,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
-    i64: sqlx::Type<DB> + for<'q> sqlx::Encode<'q, DB>,
+    i64: sqlx::Type<DB> + for<'q> sqlx::Encode<'q, DB> + for<'r> sqlx::Decode<'r, DB>,
     String: sqlx::Type<DB> + for<'q> sqlx::Encode<'q, DB>,
-    (String, Option<String>): for<'r> sqlx::FromRow<'r, DB::Row>,
+    (String, Option<String>, String): for<'r> sqlx::FromRow<'r, DB::Row>,
+    (i64,): for<'r> sqlx::FromRow<'r, DB::Row>,
 {
+    let render = |sql: &str| style.finish(&tables.render(sql));
+    let (open, lock) = match style {
+        Style::Postgres | Style::MySql => ("BEGIN", " FOR UPDATE"),
+        Style::Sqlite => ("BEGIN IMMEDIATE", ""),
+    };
+    let text = |column: &str| match style {
+        Style::MySql => format!("CAST({column} AS CHAR)"),
+        Style::Postgres | Style::Sqlite => column.to_owned(),
+    };
     let mut conn = pool.acquire().await?;
-    let mut tx = conn.begin_with(begin).await?;
-    let row: Option<(String, Option<String>)> = sqlx::query_as(
-        &tables
-            .render("UPDATE {t}dead_letters SET status = 'replaying' WHERE id = $1 RETURNING consumer_group, event_id"),
-    )
+    let mut tx = conn.begin_with(open).await?;
+    let row: Option<(String, Option<String>, String)> = sqlx::query_as(&render(&format!(
+        "SELECT {}, {}, status FROM {{t}}dead_letters WHERE id = ?{lock}",
+        text("consumer_group"),
+        text("event_id")
+    )))
     .bind(id)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((group, event_id)) = row else {
-        return Ok(false);
+    let Some((group, event_id, status)) = row else {
+        return Ok(ReplayStart::Gone);
     };
-    if let Some(event_id) = event_id {
-        sqlx::query(&tables.render("DELETE FROM {t}processed_events WHERE consumer_group = $1 AND event_id = $2"))
-            .bind(group)
-            .bind(event_id)
+    if status != "replaying" {
+        let late = within_a_minute_of_failure(style);
+        let count = |condition: String| {
+            render(&format!(
+                "SELECT COUNT(*) FROM (SELECT 1 FROM {{t}}processed_events p, {{t}}dead_letters d
+                  WHERE d.id = ? AND p.consumer_group = d.consumer_group AND {condition} LIMIT 1) x"
+            ))
+        };
+        let (applied_since,): (i64,) =
+            sqlx::query_as(&count(format!("p.event_id = d.event_id AND p.processed_at > {late}")))
+                .bind(id)
+                .fetch_one(&mut *tx)
+                .await?;
+        if applied_since > 0 {
+            return Ok(ReplayStart::Refused(ReplayRisk::AppliedSince));
+        }
+        let (kept,): (i64,) =
+            sqlx::query_as(&count(format!("p.processed_at <= {late}"))).bind(id).fetch_one(&mut *tx).await?;
+        if kept == 0 && !force {
+            return Ok(ReplayStart::Refused(ReplayRisk::MarkersPruned));
+        }
+        if let Some(event_id) = event_id {
+            sqlx::query(&render("DELETE FROM {t}processed_events WHERE consumer_group = ? AND event_id = ?"))
+                .bind(group)
+                .bind(event_id)
+                .execute(&mut *tx)
+                .await?;
+        }
+        sqlx::query(&render("UPDATE {t}dead_letters SET status = 'replaying' WHERE id = ?"))
+            .bind(id)
             .execute(&mut *tx)
             .await?;
     }
     tx.commit().await?;
-    Ok(true)
+    Ok(ReplayStart::Started)
 }
 
 /// Last step: deletes the row if it is still `replaying` (a new failure would have set it back to `dead`, and
 /// then the row stays).
-pub(crate) async fn finish<DB>(pool: &Pool<DB>, tables: &Tables, id: i64) -> Result<(), Error>
+pub(crate) async fn finish<DB>(pool: &Pool<DB>, tables: &Tables, style: Style, id: i64) -> Result<(), Error>
 where
-    DB: Store,
+    DB: sqlx::Database,
     for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
     for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
     i64: sqlx::Type<DB> + for<'q> sqlx::Encode<'q, DB>,
 {
-    sqlx::query(&tables.render("DELETE FROM {t}dead_letters WHERE id = $1 AND status = 'replaying'"))
+    sqlx::query(&style.finish(&tables.render("DELETE FROM {t}dead_letters WHERE id = ? AND status = 'replaying'")))
         .bind(id)
         .execute(pool)
         .await?;

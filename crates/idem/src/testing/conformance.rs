@@ -258,7 +258,10 @@ impl<B: Broker> Suite<'_, B> {
         };
         self.healed.store(true, Ordering::SeqCst);
         let publisher = self.broker.publisher().await?;
-        if !crate::dead_letter::replay(self.pool, &tables, &publisher, refused).await? {
+        if crate::dead_letter::replay(self.pool, &tables, &publisher, refused, crate::dead_letter::Safety::Checked)
+            .await?
+            != crate::dead_letter::Replayed::Published
+        {
             return Ok(Some("the dead letter could not be replayed".into()));
         }
         let run = self.run(topic, &group, Until::Refused, Cut::None).await?;

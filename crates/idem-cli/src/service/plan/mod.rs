@@ -209,6 +209,11 @@ fn consumer_plan(
     {
         config = config.marker_retention(d);
     }
+    if let Some(e) = &c.dead_letter_archive_expiry
+        && let Some(d) = duration(problems, e, &here("dead_letter_archive_expiry"))
+    {
+        config.pruning.archive_expiry = d;
+    }
     if let Some(layout) = &c.layout {
         let period = match layout.get_ref().as_str() {
             "plain" => None,

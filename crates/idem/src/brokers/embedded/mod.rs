@@ -34,7 +34,6 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::source::SourceError;
 
@@ -85,10 +84,6 @@ fn validate_name(kind: &str, name: &str) -> Result<(), SourceError> {
             "invalid {kind} name {name:?}: use 1 to {MAX_NAME_LEN} characters of [A-Za-z0-9._-], not . or .."
         )))
     }
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)).unwrap_or(0)
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]

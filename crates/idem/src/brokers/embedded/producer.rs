@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use super::record::{Slot, encode, read_durable, write_durable};
-use super::{EmbeddedLog, damaged_tail, io_error, lock, now_ms, permanent, walk_offsets};
+use super::{EmbeddedLog, damaged_tail, io_error, lock, permanent, walk_offsets};
+use crate::engine::now_ms;
 use crate::message::Message;
 use crate::source::{Publisher, SourceError};
 

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::OpenOptions;
 use std::io::Write;
 use std::sync::atomic::AtomicUsize;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// A unique directory under the system temp dir, removed on drop.
 pub(super) struct TempDir(pub(super) PathBuf);

@@ -39,12 +39,13 @@ use crate::store::{
 
 mod outbox;
 
-static MIGRATIONS: [Migration; 5] = [
+static MIGRATIONS: [Migration; 6] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "outbox", sql: include_str!("sql/0003_outbox.sql") },
     Migration { version: 4, name: "parked_messages", sql: include_str!("sql/0004_parked_messages.sql") },
     Migration { version: 5, name: "audit_log", sql: include_str!("sql/0005_audit_log.sql") },
+    Migration { version: 6, name: "dead_letter_archive", sql: include_str!("sql/0006_dead_letter_archive.sql") },
 ];
 
 /// The oldest servers this store is written for and tested against: MySQL 8.0 and MariaDB 10.6 (recursive
@@ -318,6 +319,7 @@ pub(crate) fn connect_fix(error: &dyn sqlx::error::DatabaseError) -> Option<&'st
 }
 
 crate::store::audit::impl_audit!(MySql, crate::store::parking::Style::MySql);
+crate::store::archive::impl_archive!(MySql, crate::store::parking::Style::MySql);
 crate::store::parking::impl_parking!(MySql, crate::store::parking::Style::MySql, each);
 
 impl Operations for MySql {
@@ -351,31 +353,13 @@ impl Operations for MySql {
         Ok(sqlx::query_as(&sql).bind(group).bind(group).bind(limit).fetch_all(pool).await?)
     }
 
-    async fn begin_replay(pool: &sqlx::MySqlPool, tables: &Tables, id: i64) -> Result<bool, Error> {
-        let mut conn = pool.acquire().await?;
-        let mut tx = conn.begin().await?;
-        let row: Option<(String, Option<String>)> = sqlx::query_as(&tables.render(
-            "SELECT CAST(consumer_group AS CHAR), CAST(event_id AS CHAR) FROM {t}dead_letters WHERE id = ? FOR UPDATE",
-        ))
-        .bind(id)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some((group, event_id)) = row else {
-            return Ok(false);
-        };
-        sqlx::query(&tables.render("UPDATE {t}dead_letters SET status = 'replaying' WHERE id = ?"))
-            .bind(id)
-            .execute(&mut *tx)
-            .await?;
-        if let Some(event_id) = event_id {
-            sqlx::query(&tables.render("DELETE FROM {t}processed_events WHERE consumer_group = ? AND event_id = ?"))
-                .bind(group)
-                .bind(event_id)
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        Ok(true)
+    async fn begin_replay(
+        pool: &sqlx::MySqlPool,
+        tables: &Tables,
+        id: i64,
+        force: bool,
+    ) -> Result<crate::store::ReplayStart, Error> {
+        crate::store::replay::begin(pool, tables, crate::store::parking::Style::MySql, id, force).await
     }
 
     async fn prune_batch(
@@ -416,11 +400,7 @@ impl Operations for MySql {
     }
 
     async fn finish_replay(pool: &sqlx::MySqlPool, tables: &Tables, id: i64) -> Result<(), Error> {
-        sqlx::query(&tables.render("DELETE FROM {t}dead_letters WHERE id = ? AND status = 'replaying'"))
-            .bind(id)
-            .execute(pool)
-            .await?;
-        Ok(())
+        crate::store::replay::finish(pool, tables, crate::store::parking::Style::MySql, id).await
     }
 
     async fn table_exists(pool: &sqlx::MySqlPool, tables: &Tables, name: &str) -> Result<bool, Error> {

@@ -16,7 +16,7 @@ use crate::store::{
     judge_existing, payload_digest,
 };
 
-static MIGRATIONS: [Migration; 7] = [
+static MIGRATIONS: [Migration; 8] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "payload_digest", sql: include_str!("sql/0003_payload_digest.sql") },
@@ -24,6 +24,7 @@ static MIGRATIONS: [Migration; 7] = [
     Migration { version: 5, name: "outbox", sql: include_str!("sql/0005_outbox.sql") },
     Migration { version: 6, name: "parked_messages", sql: include_str!("sql/0006_parked_messages.sql") },
     Migration { version: 7, name: "audit_log", sql: include_str!("sql/0007_audit_log.sql") },
+    Migration { version: 8, name: "dead_letter_archive", sql: include_str!("sql/0008_dead_letter_archive.sql") },
 ];
 
 /// A stored marker as the reuse check reads it: event id, payload digest, topic, partition, offset.
@@ -245,6 +246,7 @@ fn sql_state(error: &sqlx::Error) -> Option<&str> {
 }
 
 crate::store::audit::impl_audit!(Postgres, crate::store::parking::Style::Postgres);
+crate::store::archive::impl_archive!(Postgres, crate::store::parking::Style::Postgres);
 crate::store::parking::impl_parking!(Postgres, crate::store::parking::Style::Postgres, array);
 
 impl Operations for Postgres {
@@ -275,8 +277,13 @@ impl Operations for Postgres {
         Ok(sqlx::query_as(&sql).bind(group).bind(limit).fetch_all(pool).await?)
     }
 
-    async fn begin_replay(pool: &sqlx::PgPool, tables: &Tables, id: i64) -> Result<bool, Error> {
-        crate::store::replay::begin(pool, tables, id, "BEGIN").await
+    async fn begin_replay(
+        pool: &sqlx::PgPool,
+        tables: &Tables,
+        id: i64,
+        force: bool,
+    ) -> Result<crate::store::ReplayStart, Error> {
+        crate::store::replay::begin(pool, tables, crate::store::parking::Style::Postgres, id, force).await
     }
 
     async fn prune_batch(
@@ -312,7 +319,7 @@ impl Operations for Postgres {
     }
 
     async fn finish_replay(pool: &sqlx::PgPool, tables: &Tables, id: i64) -> Result<(), Error> {
-        crate::store::replay::finish(pool, tables, id).await
+        crate::store::replay::finish(pool, tables, crate::store::parking::Style::Postgres, id).await
     }
 
     async fn table_exists(pool: &sqlx::PgPool, tables: &Tables, name: &str) -> Result<bool, Error> {

@@ -11,13 +11,14 @@ use crate::store::{
     judge_existing, payload_digest,
 };
 
-static MIGRATIONS: [Migration; 6] = [
+static MIGRATIONS: [Migration; 7] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "payload_digest", sql: include_str!("sql/0003_payload_digest.sql") },
     Migration { version: 4, name: "outbox", sql: include_str!("sql/0004_outbox.sql") },
     Migration { version: 5, name: "parked_messages", sql: include_str!("sql/0005_parked_messages.sql") },
     Migration { version: 6, name: "audit_log", sql: include_str!("sql/0006_audit_log.sql") },
+    Migration { version: 7, name: "dead_letter_archive", sql: include_str!("sql/0007_dead_letter_archive.sql") },
 ];
 
 impl Store for Sqlite {
@@ -128,6 +129,7 @@ impl Store for Sqlite {
 }
 
 crate::store::audit::impl_audit!(Sqlite, crate::store::parking::Style::Sqlite);
+crate::store::archive::impl_archive!(Sqlite, crate::store::parking::Style::Sqlite);
 crate::store::parking::impl_parking!(Sqlite, crate::store::parking::Style::Sqlite, each);
 
 impl Operations for Sqlite {
@@ -159,8 +161,13 @@ impl Operations for Sqlite {
         Ok(sqlx::query_as(&sql).bind(group).bind(limit).fetch_all(pool).await?)
     }
 
-    async fn begin_replay(pool: &sqlx::SqlitePool, tables: &Tables, id: i64) -> Result<bool, Error> {
-        crate::store::replay::begin(pool, tables, id, "BEGIN IMMEDIATE").await
+    async fn begin_replay(
+        pool: &sqlx::SqlitePool,
+        tables: &Tables,
+        id: i64,
+        force: bool,
+    ) -> Result<crate::store::ReplayStart, Error> {
+        crate::store::replay::begin(pool, tables, crate::store::parking::Style::Sqlite, id, force).await
     }
 
     async fn prune_batch(
@@ -197,7 +204,7 @@ impl Operations for Sqlite {
     }
 
     async fn finish_replay(pool: &sqlx::SqlitePool, tables: &Tables, id: i64) -> Result<(), Error> {
-        crate::store::replay::finish(pool, tables, id).await
+        crate::store::replay::finish(pool, tables, crate::store::parking::Style::Sqlite, id).await
     }
 
     async fn table_exists(pool: &sqlx::SqlitePool, tables: &Tables, name: &str) -> Result<bool, Error> {

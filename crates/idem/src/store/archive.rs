@@ -1,0 +1,194 @@
+//! The dead-letter archive, `{prefix}dead_letter_archive`: discarded dead letters kept whole, with who discarded
+//! them, when and why, until an expiry. The same statements on every store (see [`crate::dead_letter::discard`]).
+
+use std::future::Future;
+
+use crate::store::parking::Style;
+use crate::store::{DeadLetter, Store, Tables};
+
+/// A discarded dead letter.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ArchivedLetter {
+    /// The dead letter as it was (its `id` is the dead letter's; `status` reads `archived`).
+    #[serde(flatten)]
+    pub letter: DeadLetter,
+    /// When it was discarded, ms since the epoch.
+    #[serde(rename = "discarded_at", serialize_with = "crate::store::rfc3339")]
+    pub discarded_at_ms: i64,
+    /// Who discarded it.
+    pub discarded_by: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// Who discards what, and why.
+#[derive(Debug, Clone, Copy)]
+pub struct Discard<'a> {
+    /// The operator.
+    pub actor: &'a str,
+    /// The reason given.
+    pub reason: &'a str,
+    /// When, ms since the epoch.
+    pub at_ms: i64,
+}
+
+/// The archive: every store idem has implements it.
+pub trait Archive: Store {
+    /// In one transaction, deletes the dead letter if it is still `dead` (not under replay) and archives it.
+    /// `false` when there was no such row.
+    fn archive_dead_letter(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        letter: &DeadLetter,
+        discard: &Discard<'_>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+    /// The newest `limit` archived letters (of `group`, or of every group), newest first.
+    fn archived_letters(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        group: Option<&str>,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<ArchivedLetter>, sqlx::Error>> + Send;
+    /// Deletes at most `limit` archived letters (of `group`, or of every group) discarded before `before_ms`;
+    /// how many went.
+    fn prune_archive_batch(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        group: Option<&str>,
+        before_ms: i64,
+        limit: i64,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+}
+
+/// The archive's statements in a store's style.
+pub(crate) struct Statements {
+    pub remove: String,
+    pub insert: String,
+    pub select: String,
+    pub prune: String,
+}
+
+impl Statements {
+    pub(crate) fn new(tables: &Tables, style: Style) -> Statements {
+        let render = |sql: &str| style.finish(&tables.render(sql));
+        let text = |column: &str| match style {
+            Style::MySql => format!("CAST({column} AS CHAR)"),
+            Style::Postgres | Style::Sqlite => column.to_owned(),
+        };
+        let whose = "COALESCE(?, consumer_group) = consumer_group";
+        Statements {
+            remove: render("DELETE FROM {t}dead_letters WHERE id = ? AND status = 'dead'"),
+            insert: render(
+                r#"INSERT INTO {t}dead_letter_archive (dead_letter_id, consumer_group, event_id, topic, partition,
+                     "offset", key, payload, headers, error, attempts, first_failed_at_ms, last_failed_at_ms,
+                     discarded_at_ms, discarded_by, discard_reason)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"#,
+            ),
+            select: render(&format!(
+                r#"SELECT dead_letter_id, {}, {}, {}, partition, "offset", key, payload, headers, error, attempts,
+                     first_failed_at_ms, last_failed_at_ms, 'archived', discarded_at_ms, discarded_by, discard_reason
+                   FROM {{t}}dead_letter_archive WHERE {whose} ORDER BY id DESC LIMIT ?"#,
+                text("consumer_group"),
+                text("event_id"),
+                text("topic")
+            )),
+            prune: render(&match style {
+                Style::MySql => {
+                    format!(
+                        "DELETE FROM {{t}}dead_letter_archive WHERE {whose} AND discarded_at_ms < ? ORDER BY id LIMIT ?"
+                    )
+                }
+                Style::Postgres | Style::Sqlite => format!(
+                    "DELETE FROM {{t}}dead_letter_archive WHERE id IN (SELECT id FROM {{t}}dead_letter_archive
+                      WHERE {whose} AND discarded_at_ms < ? LIMIT ?)"
+                ),
+            }),
+        }
+    }
+}
+
+/// An archived letter from a row of any store: the dead letter's columns, then when, who and why.
+impl<'r, R: sqlx::Row> sqlx::FromRow<'r, R> for ArchivedLetter
+where
+    DeadLetter: sqlx::FromRow<'r, R>,
+    usize: sqlx::ColumnIndex<R>,
+    i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    fn from_row(row: &'r R) -> Result<Self, sqlx::Error> {
+        Ok(ArchivedLetter {
+            letter: DeadLetter::from_row(row)?,
+            discarded_at_ms: row.try_get(14)?,
+            discarded_by: row.try_get(15)?,
+            reason: row.try_get(16)?,
+        })
+    }
+}
+
+/// Implements [`Archive`] for a store in its style.
+macro_rules! impl_archive {
+    ($db:ty, $style:expr) => {
+        impl $crate::store::archive::Archive for $db {
+            async fn archive_dead_letter(
+                pool: &sqlx::Pool<$db>,
+                tables: &$crate::store::Tables,
+                l: &$crate::store::DeadLetter,
+                d: &$crate::store::archive::Discard<'_>,
+            ) -> Result<bool, sqlx::Error> {
+                use sqlx::Connection;
+                let statements = $crate::store::archive::Statements::new(tables, $style);
+                let open = if $style == $crate::store::parking::Style::Sqlite { "BEGIN IMMEDIATE" } else { "BEGIN" };
+                let mut conn = pool.acquire().await?;
+                let mut tx = conn.begin_with(open).await?;
+                let removed = sqlx::query(&statements.remove).bind(l.id).execute(&mut *tx).await?;
+                if removed.rows_affected() == 0 {
+                    return Ok(false);
+                }
+                sqlx::query(&statements.insert)
+                    .bind(l.id)
+                    .bind(l.consumer_group.as_str())
+                    .bind(l.event_id.as_deref())
+                    .bind(l.topic.as_str())
+                    .bind(l.partition)
+                    .bind(l.offset)
+                    .bind(l.key.as_deref())
+                    .bind(l.payload.as_slice())
+                    .bind($crate::store::encode_headers(&l.headers))
+                    .bind(l.error.as_str())
+                    .bind(l.attempts)
+                    .bind(l.first_failed_at_ms)
+                    .bind(l.last_failed_at_ms)
+                    .bind(d.at_ms)
+                    .bind(d.actor)
+                    .bind(d.reason)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(true)
+            }
+
+            async fn archived_letters(
+                pool: &sqlx::Pool<$db>,
+                tables: &$crate::store::Tables,
+                group: Option<&str>,
+                limit: i64,
+            ) -> Result<Vec<$crate::store::archive::ArchivedLetter>, sqlx::Error> {
+                let statements = $crate::store::archive::Statements::new(tables, $style);
+                sqlx::query_as(&statements.select).bind(group).bind(limit).fetch_all(pool).await
+            }
+
+            async fn prune_archive_batch(
+                pool: &sqlx::Pool<$db>,
+                tables: &$crate::store::Tables,
+                group: Option<&str>,
+                before_ms: i64,
+                limit: i64,
+            ) -> Result<u64, sqlx::Error> {
+                let statements = $crate::store::archive::Statements::new(tables, $style);
+                let done = sqlx::query(&statements.prune).bind(group).bind(before_ms).bind(limit).execute(pool).await?;
+                Ok(done.rows_affected())
+            }
+        }
+    };
+}
+pub(crate) use impl_archive;
