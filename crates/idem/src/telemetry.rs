@@ -58,6 +58,11 @@ pub fn describe() {
         "How long the group's oldest parked message has waited"
     );
     describe_counter!(
+        "immediate_retries_total",
+        Unit::Count,
+        "Immediate retries while the partition waits, by cause: handler (retryable error), database (unavailable)"
+    );
+    describe_counter!(
         "delayed_retries_total",
         Unit::Count,
         "Delayed retries by result: released (applied), failed (parked again), dead_lettered (schedule used up)"

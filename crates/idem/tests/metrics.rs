@@ -48,6 +48,7 @@ async fn metrics_after_a_known_run() {
     }
     assert!(text.contains(r#"processed_events_row_count{consumer_group="ledger-writer"} 101"#), "{text}");
     assert!(text.contains(r#"dead_letters_stored{consumer_group="ledger-writer"} 1"#), "{text}");
+    assert!(text.contains(r#"immediate_retries_total{consumer_group="ledger-writer",cause="handler"} 1"#), "{text}");
     for name in
         ["processed_events_oldest_age_seconds", "event_handle_duration_seconds", "consumer_offset_commit_lag_seconds"]
     {
@@ -60,7 +61,13 @@ async fn metrics_after_a_known_run() {
         "{text}"
     );
     // Every metric is described (`# HELP`), and the kill switch's gauge is published from the start.
-    for name in ["events_handled_total", "processed_events_row_count", "dead_letters_stored", "consumer_paused"] {
+    for name in [
+        "events_handled_total",
+        "processed_events_row_count",
+        "dead_letters_stored",
+        "consumer_paused",
+        "immediate_retries_total",
+    ] {
         assert!(text.contains(&format!("# HELP {name} ")), "no HELP for {name} in:\n{text}");
     }
     assert!(text.contains(r#"consumer_paused{consumer_group="ledger-writer"} 0"#), "{text}");

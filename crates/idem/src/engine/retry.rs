@@ -136,6 +136,7 @@ where
                     return Err((attempts, Failure::Handler { at, error: HandlerError::Retryable(reason) }));
                 }
                 let delay = config.backoff.after(attempts);
+                immediate_retry(retrying.group, "handler");
                 let (at, messages) = retrying.subject.locate(at);
                 tracing::warn!(
                     consumer_group = retrying.group,
@@ -157,6 +158,7 @@ where
                 attempts -= 1;
                 outages += 1;
                 let delay = config.backoff.after(outages);
+                immediate_retry(retrying.group, "database");
                 let (at, messages) = retrying.subject.locate(None);
                 tracing::warn!(
                     consumer_group = retrying.group,
@@ -183,6 +185,12 @@ where
             return Err((attempts, Failure::Stopped));
         }
     }
+}
+
+/// Counts one retry of the first tier: `immediate_retries_total{consumer_group, cause}` (`handler`: a retryable
+/// handler error; `database`: the database unavailable).
+fn immediate_retry(group: &str, cause: &'static str) {
+    metrics::counter!("immediate_retries_total", "consumer_group" => group.to_owned(), "cause" => cause).increment(1);
 }
 
 #[cfg(test)]
