@@ -155,12 +155,14 @@ pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -
     if !dry_run {
         let batch = pruning.batch_size;
         let expired = with_pool!(&db, pool =>
-            idem::dead_letter::prune_archive(pool, &tables, group, archive_expiry, batch).await?);
-        if !json {
-            println!(
-                "deleted {expired} archived dead letter(s) discarded over {} ago",
-                format_duration(archive_expiry)
-            );
+            idem::dead_letter::prune_archive(pool, &tables, group, archive_expiry, batch).await);
+        match expired {
+            Ok(n) if !json => {
+                println!("deleted {n} archived dead letter(s) discarded over {} ago", format_duration(archive_expiry))
+            }
+            Ok(_) => {}
+            // The markers are pruned whatever becomes of the archive.
+            Err(error) => eprintln!("warning: the dead-letter archive was not pruned: {error} (run `idem migrate`)"),
         }
     }
     if let Db::Postgres(pool) = &db

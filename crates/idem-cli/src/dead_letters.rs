@@ -178,6 +178,7 @@ impl Filter<'_> {
             s.matching.as_ref().map(|m| format!("matching {m:?}")),
             s.fingerprint.as_ref().map(|f| format!("fingerprint {f}")),
             s.older_than.as_ref().map(|o| format!("older than {o}")),
+            s.message_type.as_ref().map(|t| format!("message type from {t}")),
         ]
         .into_iter()
         .flatten()
@@ -315,6 +316,16 @@ impl Chosen<'_> {
                 bail!("no dead letter with id {id} among those the filters take; see `idem dead-letters list`");
             }
         }
+        if let (Some(fingerprint), true) = (&self.filter.select.fingerprint, letters.is_empty()) {
+            let typing = match &self.filter.select.message_type {
+                Some(t) => format!("with --message-type {t}"),
+                None => "without --message-type".to_owned(),
+            };
+            bail!(
+                "no dead letter has fingerprint {fingerprint} {typing}: a fingerprint depends on the message type \
+                 setting, so take it from `idem dead-letters groups` run with the same --message-type (and filters)"
+            );
+        }
         Ok(letters)
     }
 
@@ -340,13 +351,19 @@ async fn replay(
         subjects.push_str(", forced");
     }
     let outcome = match &tally {
+        Ok(Tally { stopped_by: Some(error), replayed, .. }) => {
+            Err(anyhow::anyhow!("stopped after {replayed} replayed: {error:#}"))
+        }
         Ok(t) if t.refused > 0 => Err(anyhow::anyhow!("{} refused: it could apply an effect twice", t.refused)),
         Ok(_) => Ok(()),
         Err(error) => Err(anyhow::anyhow!("{error:#}")),
     };
     note(&db, &tables, actor, "dead-letters replay", subjects, &outcome, count).await;
-    let tally = tally?;
+    let mut tally = tally?;
     println!("{} dead letter(s) replayed", tally.replayed);
+    if let Some(error) = tally.stopped_by.take() {
+        return Err(error.context(format!("the replay stopped after {} dead letter(s)", tally.replayed)));
+    }
     if tally.refused > 0 {
         eprintln!("{} dead letter(s) refused (see above); nothing was published for them", tally.refused);
         return Ok(ExitCode::FAILURE);
@@ -354,11 +371,12 @@ async fn replay(
     Ok(ExitCode::SUCCESS)
 }
 
-/// What a replay did.
+/// What a replay did, up to the error that stopped it if one did.
 #[derive(Default)]
 struct Tally {
     replayed: usize,
     refused: usize,
+    stopped_by: Option<anyhow::Error>,
 }
 
 /// Replays `letters` through the broker `target` names.
@@ -446,7 +464,15 @@ async fn replay_through<P: Publisher>(
 ) -> anyhow::Result<Tally> {
     let mut tally = Tally::default();
     for letter in letters {
-        match with_pool!(db, pool => idem::dead_letter::replay(pool, tables, publisher, letter, safety).await?) {
+        let replayed = with_pool!(db, pool => idem::dead_letter::replay(pool, tables, publisher, letter, safety).await);
+        let replayed = match replayed {
+            Ok(replayed) => replayed,
+            Err(error) => {
+                tally.stopped_by = Some(anyhow::anyhow!("dead letter {}: {error}", letter.id));
+                return Ok(tally);
+            }
+        };
+        match replayed {
             Replayed::Published => {
                 tally.replayed += 1;
                 println!("replayed {} ({})", letter.id, letter.event_id.as_deref().unwrap_or("no key"));

@@ -140,6 +140,11 @@ async fn discarded_letters_are_archived_and_old_ones_replay_only_when_forced() {
     let bad = idem().args(["dead-letters", "groups", "--message-type", "type"]).args(db).output().unwrap();
     assert!(String::from_utf8_lossy(&bad.stderr).contains("header:NAME"), "{bad:?}");
 
+    // The fingerprint of a typed group, asked for without the type setting: nothing matches, said so.
+    let untyped =
+        idem().args(["dead-letters", "discard", "--fingerprint", refunds, "--reason", "x"]).args(db).output().unwrap();
+    assert!(!untyped.status.success());
+    assert!(String::from_utf8_lossy(&untyped.stderr).contains("without --message-type"), "{untyped:?}");
     // A discard names what it takes and says why.
     let out = idem().args(["dead-letters", "discard", "--reason", "x"]).args(db).output().unwrap();
     assert!(!out.status.success());

@@ -69,7 +69,8 @@ impl ReplayRisk {
                 "dead letter {} failed at {failed}, before the oldest marker consumer group {:?} keeps: the markers of \
                  its time were pruned (the marker retention), so a copy the broker delivered since could have been \
                  applied without a trace, and a replay would apply it twice. Check its effect; replay with --force if \
-                 it is not there, or discard it",
+                 it is not there (a group on natural keys keeps no markers: its unique key absorbs a second copy, \
+                 so --force is safe there), or discard it",
                 letter.id, letter.consumer_group
             ),
             ReplayRisk::AppliedSince => format!(

@@ -61,7 +61,7 @@ pub trait Probe: Clone + Send + Sync + 'static {
     fn readiness(&self) -> impl Future<Output = Readiness> + Send;
     /// `POST /resume` by `actor` (the `X-Idem-Actor` header or `?as=NAME`): `Some(was paused)` where there is a
     /// kill switch to close (and the audit trail records it), `None` where there is none.
-    fn resume(&self, actor: &str) -> impl Future<Output = Option<bool>> + Send;
+    fn resume(&self, actor: &str) -> Option<bool>;
 }
 
 impl<DB: Backend> Probe for Engine<DB> {
@@ -84,8 +84,8 @@ impl<DB: Backend> Probe for Engine<DB> {
         Readiness { stalled: health.stalled, ..Readiness::ready(Some(health.partitions)) }
     }
 
-    async fn resume(&self, actor: &str) -> Option<bool> {
-        Some(self.resume_as(actor).await)
+    fn resume(&self, actor: &str) -> Option<bool> {
+        Some(self.resume_as(actor))
     }
 }
 
@@ -110,14 +110,8 @@ impl<P: Probe> Probe for Vec<P> {
         }
     }
 
-    async fn resume(&self, actor: &str) -> Option<bool> {
-        let mut resumed = None;
-        for probe in self {
-            if let Some(paused) = probe.resume(actor).await {
-                resumed = Some(resumed.unwrap_or(false) || paused);
-            }
-        }
-        resumed
+    fn resume(&self, actor: &str) -> Option<bool> {
+        self.iter().filter_map(|probe| probe.resume(actor)).reduce(|a, b| a || b)
     }
 }
 
@@ -139,7 +133,7 @@ impl<DB: sqlx::Database> Probe for DatabaseProbe<DB> {
         if reachable { Readiness::ready(None) } else { Readiness::not("database unreachable") }
     }
 
-    async fn resume(&self, _actor: &str) -> Option<bool> {
+    fn resume(&self, _actor: &str) -> Option<bool> {
         None
     }
 }
@@ -196,18 +190,64 @@ async fn readyz<P: Probe>(State(probe): State<P>) -> Response {
     (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
-/// Who asked for a resume: the `X-Idem-Actor` header, else `?as=NAME`, else `http`.
+/// Who asked for a resume: the `X-Idem-Actor` header, else `?as=NAME` (percent-decoded), else `http`; at most
+/// 255 characters.
 fn actor(headers: &axum::http::HeaderMap, uri: &axum::http::Uri) -> String {
-    let from_header = headers.get("x-idem-actor").and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let given = |name: &String| !name.trim().is_empty();
+    let from_header = headers.get("x-idem-actor").and_then(|v| v.to_str().ok()).map(str::to_owned).filter(given);
     let from_query =
-        || uri.query()?.split('&').find_map(|pair| pair.strip_prefix("as=")).map(|name| name.replace('+', " "));
-    from_header.or_else(from_query).filter(|name| !name.trim().is_empty()).unwrap_or_else(|| "http".to_owned())
+        || uri.query()?.split('&').find_map(|pair| pair.strip_prefix("as=")).map(percent_decoded).filter(given);
+    let actor = from_header.or_else(from_query).unwrap_or_else(|| "http".to_owned());
+    actor.chars().take(255).collect()
+}
+
+/// A query value with `+` as a space and `%XX` escapes decoded (invalid UTF-8 replaced).
+fn percent_decoded(value: &str) -> String {
+    let bytes = value.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = || u8::from_str_radix(std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?, 16).ok();
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if hex().is_some() => {
+                out.extend(hex());
+                i += 2;
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 async fn resume<P: Probe>(State(probe): State<P>, headers: axum::http::HeaderMap, uri: axum::http::Uri) -> Response {
-    match probe.resume(&actor(&headers, &uri)).await {
+    match probe.resume(&actor(&headers, &uri)) {
         Some(true) => (StatusCode::OK, "resumed\n").into_response(),
         Some(false) => (StatusCode::OK, "not paused\n").into_response(),
         None => (StatusCode::NOT_FOUND, "nothing to resume here\n").into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn actor_of(header: Option<&str>, uri: &str) -> String {
+        let mut headers = axum::http::HeaderMap::new();
+        if let Some(value) = header {
+            headers.insert("x-idem-actor", value.parse().expect("header"));
+        }
+        actor(&headers, &uri.parse().expect("uri"))
+    }
+
+    #[test]
+    fn the_actor_comes_from_the_header_then_the_query() {
+        assert_eq!(actor_of(Some("alice"), "/resume?as=bob"), "alice");
+        assert_eq!(actor_of(Some("  "), "/resume?as=bob"), "bob", "a blank header does not hide the query");
+        assert_eq!(actor_of(None, "/resume?x=1&as=J%C3%BCrgen+M%2E"), "Jürgen M.");
+        assert_eq!(actor_of(None, "/resume?as=100%"), "100%", "a stray % stays");
+        assert_eq!(actor_of(None, "/resume"), "http");
+        assert_eq!(actor_of(None, &format!("/resume?as={}", "a".repeat(300))).len(), 255);
     }
 }

@@ -70,12 +70,20 @@ async fn the_endpoint_answers_get_head_and_not_ready_with_a_reason() {
     assert_eq!(exchange(&mut conn, "GET", "/resume").await.0, 405);
     let (status, _, body) = exchange(&mut conn, "POST", "/resume?as=bob").await;
     assert_eq!((status, body.as_str()), (200, "not paused\n"));
-    let audited: (String, String, String) =
-        sqlx::query_as("SELECT actor, subjects, outcome FROM audit_log ORDER BY id DESC LIMIT 1")
-            .fetch_one(&db.pool)
+    // The audit entry is written beside the resume, not before it: wait for it.
+    let mut audited: Option<(String, String, String)> = None;
+    for _ in 0..250 {
+        audited = sqlx::query_as("SELECT actor, subjects, outcome FROM audit_log ORDER BY id DESC LIMIT 1")
+            .fetch_optional(&db.pool)
             .await
             .expect("audit");
-    assert_eq!(audited, ("bob".into(), "consumer group ledger-writer".into(), "ok: was not paused".into()));
+        if audited.is_some() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let expected = ("bob".to_owned(), "consumer group ledger-writer".to_owned(), "ok: was not paused".to_owned());
+    assert_eq!(audited, Some(expected));
     assert_eq!(exchange(&mut conn, "GET", "/nope").await.0, 404);
 
     // Consuming: ready, with its partitions.

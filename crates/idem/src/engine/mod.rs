@@ -154,17 +154,21 @@ impl<DB: Backend> Engine<DB> {
     }
 
     /// [`Engine::resume`] on an operator's request, written to the audit trail (who, the consumer group, whether
-    /// it was paused). A trail that cannot be written is logged; the resume stands. Returns whether it was paused.
-    pub async fn resume_as(&self, actor: &str) -> bool {
+    /// it was paused) by a task of its own, so that a slow or failing database never delays the resume. A trail
+    /// that cannot be written is logged; the resume stands. Returns whether it was paused.
+    pub fn resume_as(&self, actor: &str) -> bool {
         let paused = self.health().paused;
         self.resume();
-        let config = &self.inner.config;
+        let (pool, config) = (self.inner.pool.clone(), &self.inner.config);
+        let tables = config.tables.clone();
         let subjects = format!("consumer group {}", config.group);
         let outcome = if paused { "ok: resumed" } else { "ok: was not paused" };
         let entry = crate::audit::AuditEntry::now(actor, "resume", subjects, i64::from(paused), outcome);
-        if let Err(error) = crate::audit::record(&self.inner.pool, &config.tables, &entry).await {
-            tracing::warn!(%error, actor, "resumed, but the audit trail could not record it (run `idem migrate`)");
-        }
+        tokio::spawn(async move {
+            if let Err(error) = crate::audit::record(&pool, &tables, &entry).await {
+                tracing::warn!(%error, actor = %entry.actor, "resumed, but the audit trail could not record it (run `idem migrate`)");
+            }
+        });
         paused
     }
 

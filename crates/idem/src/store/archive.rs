@@ -34,7 +34,8 @@ pub struct Discard<'a> {
 
 /// The archive: every store idem has implements it.
 pub trait Archive: Store {
-    /// In one transaction, deletes the dead letter if it is still `dead` (not under replay) and archives it.
+    /// In one transaction, archives the dead letter as it is now and deletes it, if it is still `dead` (not under
+    /// replay).
     /// `false` when there was no such row.
     fn archive_dead_letter(
         pool: &sqlx::Pool<Self>,
@@ -76,14 +77,24 @@ impl Statements {
             Style::Postgres | Style::Sqlite => column.to_owned(),
         };
         let whose = "COALESCE(?, consumer_group) = consumer_group";
+        let ms = |column: &str| match style {
+            Style::Postgres => format!("(EXTRACT(EPOCH FROM {column}) * 1000)::bigint"),
+            Style::Sqlite => column.to_owned(),
+            Style::MySql => format!("TIMESTAMPDIFF(MICROSECOND, '1970-01-01', {column}) DIV 1000"),
+        };
         Statements {
             remove: render("DELETE FROM {t}dead_letters WHERE id = ? AND status = 'dead'"),
-            insert: render(
-                r#"INSERT INTO {t}dead_letter_archive (dead_letter_id, consumer_group, event_id, topic, partition,
+            // The row as it is now, not as the operator listed it: a redelivery may have failed it again since.
+            insert: render(&format!(
+                r#"INSERT INTO {{t}}dead_letter_archive (dead_letter_id, consumer_group, event_id, topic, partition,
                      "offset", key, payload, headers, error, attempts, first_failed_at_ms, last_failed_at_ms,
                      discarded_at_ms, discarded_by, discard_reason)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"#,
-            ),
+                   SELECT id, consumer_group, event_id, topic, partition, "offset", key, payload, headers, error,
+                          attempts, {}, {}, ?, ?, ?
+                     FROM {{t}}dead_letters WHERE id = ? AND status = 'dead'"#,
+                ms("first_failed_at"),
+                ms("last_failed_at")
+            )),
             select: render(&format!(
                 r#"SELECT dead_letter_id, {}, {}, {}, partition, "offset", key, payload, headers, error, attempts,
                      first_failed_at_ms, last_failed_at_ms, 'archived', discarded_at_ms, discarded_by, discard_reason
@@ -140,29 +151,17 @@ macro_rules! impl_archive {
                 let open = if $style == $crate::store::parking::Style::Sqlite { "BEGIN IMMEDIATE" } else { "BEGIN" };
                 let mut conn = pool.acquire().await?;
                 let mut tx = conn.begin_with(open).await?;
-                let removed = sqlx::query(&statements.remove).bind(l.id).execute(&mut *tx).await?;
-                if removed.rows_affected() == 0 {
-                    return Ok(false);
-                }
-                sqlx::query(&statements.insert)
-                    .bind(l.id)
-                    .bind(l.consumer_group.as_str())
-                    .bind(l.event_id.as_deref())
-                    .bind(l.topic.as_str())
-                    .bind(l.partition)
-                    .bind(l.offset)
-                    .bind(l.key.as_deref())
-                    .bind(l.payload.as_slice())
-                    .bind($crate::store::encode_headers(&l.headers))
-                    .bind(l.error.as_str())
-                    .bind(l.attempts)
-                    .bind(l.first_failed_at_ms)
-                    .bind(l.last_failed_at_ms)
+                let archived = sqlx::query(&statements.insert)
                     .bind(d.at_ms)
                     .bind(d.actor)
                     .bind(d.reason)
+                    .bind(l.id)
                     .execute(&mut *tx)
                     .await?;
+                if archived.rows_affected() == 0 {
+                    return Ok(false);
+                }
+                sqlx::query(&statements.remove).bind(l.id).execute(&mut *tx).await?;
                 tx.commit().await?;
                 Ok(true)
             }

@@ -23,27 +23,21 @@ pub enum ReplayStart {
 pub enum ReplayRisk {
     /// The consumer group keeps no marker as old as the letter's last failure: the markers of its time have
     /// been pruned, so a copy the broker delivered since could have been applied and its marker pruned too.
-    /// `--force` (or [`crate::dead_letter::Safety::Forced`]) replays anyway.
+    /// `--force` (or [`crate::dead_letter::Safety::Forced`]) replays anyway. A group on natural keys keeps no
+    /// markers at all (its unique key absorbs a second copy): its replays need the force. Letters without an
+    /// event id are not checked.
     MarkersPruned,
     /// The event's marker was written after the letter failed: a later copy of the event was applied. Replaying
     /// it would apply it a second time; this is refused even when forced.
     AppliedSince,
 }
 
-/// What the first step needs of a store beyond its style: the time a marker may be written after its dead
-/// letter in the same transaction, in the store's SQL.
-fn within_a_minute_of_failure(style: Style) -> &'static str {
-    match style {
-        Style::Postgres => "d.last_failed_at + interval '1 minute'",
-        Style::Sqlite => "d.last_failed_at + 60000",
-        Style::MySql => "d.last_failed_at + INTERVAL 1 MINUTE",
-    }
-}
-
 /// First step, in one transaction: marks the row `replaying` and deletes its event's marker, unless the row is
 /// already `replaying` (an earlier replay deleted that marker; any marker there now is the replayed copy's, and
-/// must stay so that a second copy is absorbed). Unless `force`, a letter older than the group's markers is
-/// refused ([`ReplayRisk::MarkersPruned`]); a letter whose event was applied since is always refused.
+/// must stay so that a second copy is absorbed). Unless `force`, a keyed letter older than every marker of its
+/// group is refused ([`ReplayRisk::MarkersPruned`]); a `dead` letter whose event's marker is newer than its
+/// failure is always refused ([`ReplayRisk::AppliedSince`]). A marker and its dead letter are written in one
+/// transaction, the marker first, so the letter's own marker is never newer than its failure.
 pub(crate) async fn begin<DB>(
     pool: &Pool<DB>,
     tables: &Tables,
@@ -82,27 +76,31 @@ where
     let Some((group, event_id, status)) = row else {
         return Ok(ReplayStart::Gone);
     };
-    if status != "replaying" {
-        let late = within_a_minute_of_failure(style);
-        let count = |condition: String| {
-            render(&format!(
-                "SELECT COUNT(*) FROM (SELECT 1 FROM {{t}}processed_events p, {{t}}dead_letters d
-                  WHERE d.id = ? AND p.consumer_group = d.consumer_group AND {condition} LIMIT 1) x"
-            ))
-        };
+    let count = |condition: &str| {
+        render(&format!(
+            "SELECT COUNT(*) FROM (SELECT 1 FROM {{t}}processed_events p, {{t}}dead_letters d
+              WHERE d.id = ? AND p.consumer_group = d.consumer_group AND {condition} LIMIT 1) x"
+        ))
+    };
+    let dead = status != "replaying";
+    if dead && event_id.is_some() {
         let (applied_since,): (i64,) =
-            sqlx::query_as(&count(format!("p.event_id = d.event_id AND p.processed_at > {late}")))
+            sqlx::query_as(&count("p.event_id = d.event_id AND p.processed_at > d.last_failed_at"))
                 .bind(id)
                 .fetch_one(&mut *tx)
                 .await?;
         if applied_since > 0 {
             return Ok(ReplayStart::Refused(ReplayRisk::AppliedSince));
         }
+    }
+    if !force && event_id.is_some() {
         let (kept,): (i64,) =
-            sqlx::query_as(&count(format!("p.processed_at <= {late}"))).bind(id).fetch_one(&mut *tx).await?;
-        if kept == 0 && !force {
+            sqlx::query_as(&count("p.processed_at <= d.last_failed_at")).bind(id).fetch_one(&mut *tx).await?;
+        if kept == 0 {
             return Ok(ReplayStart::Refused(ReplayRisk::MarkersPruned));
         }
+    }
+    if dead {
         if let Some(event_id) = event_id {
             sqlx::query(&render("DELETE FROM {t}processed_events WHERE consumer_group = ? AND event_id = ?"))
                 .bind(group)
