@@ -27,13 +27,13 @@ impl Actor {
 
 /// Appends an operator action to the audit trail, after it ran: `outcome` is what the command returns. A trail that
 /// cannot be written is reported on stderr; the action's own result stands.
-pub async fn note<T>(
+pub async fn note<T, E: std::fmt::Display>(
     db: &Db,
     tables: &Tables,
     actor: &str,
     action: &str,
     subjects: String,
-    outcome: &anyhow::Result<T>,
+    outcome: &Result<T, E>,
     count: i64,
 ) {
     let outcome = match outcome {
@@ -86,21 +86,30 @@ pub async fn run(command: AuditCommand) -> anyhow::Result<ExitCode> {
     } else if entries.is_empty() {
         println!("no operator actions recorded");
     } else {
+        // Columns as wide as their widest value; a failure's text on a line of its own under its entry.
+        let width = |column: fn(&AuditEntry) -> &str, title: &str| {
+            entries.iter().map(|e| column(e).chars().count()).max().unwrap_or(0).max(title.len())
+        };
+        let (actor, action) = (width(|e| &e.actor, "actor"), width(|e| &e.action, "action"));
         println!(
-            "{:>6} {:<24} {:<16} {:<24} {:>6}  {:<10} subjects",
+            "{:>6}  {:<24}  {:<actor$}  {:<action$}  {:>6}  {:<7} subjects",
             "id", "at", "actor", "action", "count", "outcome"
         );
         for e in &entries {
+            let ok = e.outcome == "ok";
             println!(
-                "{:>6} {:<24} {:<16} {:<24} {:>6}  {:<10} {}",
+                "{:>6}  {:<24}  {:<actor$}  {:<action$}  {:>6}  {:<7} {}",
                 e.id,
                 idem::store::rfc3339_from_ms(e.at_ms),
                 e.actor,
                 e.action,
                 e.count,
-                e.outcome,
+                if ok { "ok" } else { "failed" },
                 e.subjects
             );
+            if !ok {
+                println!("{:>8}{}", "", e.outcome);
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

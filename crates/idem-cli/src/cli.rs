@@ -90,7 +90,7 @@ enum Command {
         /// can redeliver; below one hour is refused without --force.
         #[arg(long)]
         retention: String,
-        /// Accept a retention below one hour.
+        /// Accept a retention below one hour, or an archive expiry below one day.
         #[arg(long)]
         force: bool,
         /// Only this consumer group's markers (default: every group's).
@@ -111,9 +111,12 @@ enum Command {
         /// Partitioned layout: partitions to create ahead of the current one.
         #[arg(long, default_value_t = 7)]
         create_ahead: u32,
-        /// Discarded dead letters (`idem dead-letters archived`) older than this are deleted too.
+        /// Discarded dead letters (`idem dead-letters archived`) older than this are deleted too; below one day
+        /// is refused without --force.
         #[arg(long, default_value = "30d", value_name = "DURATION")]
         archive_expiry: String,
+        #[command(flatten)]
+        actor: audit::Actor,
     },
     /// The marker table's layout: show it, or convert between plain and partitioned (PostgreSQL).
     #[command(subcommand)]
@@ -220,9 +223,10 @@ pub fn main() -> ExitCode {
                     json,
                     create_ahead,
                     archive_expiry,
+                    actor,
                 } => {
-                    let archive_expiry = idem::duration::parse(&archive_expiry)
-                        .map_err(|e| anyhow::anyhow!("--archive-expiry {archive_expiry}: {e}"))?;
+                    let archive_expiry =
+                        idem::duration::parse(&archive_expiry).map_err(|e| crate::flag_error("--archive-expiry", e))?;
                     let pruning = idem::Pruning {
                         batch_size,
                         pause: std::time::Duration::from_millis(pause_ms),
@@ -236,6 +240,7 @@ pub fn main() -> ExitCode {
                         create_ahead,
                         force,
                         archive_expiry,
+                        actor: actor.name(),
                     };
                     commands::prune(&db, &retention, &options).await
                 }

@@ -40,8 +40,13 @@ pub fn rate(state: &indicatif::ProgressState, out: &mut dyn std::fmt::Write) {
     let _ = write!(out, "{:.0}/s", state.per_sec());
 }
 
-fn format_duration(d: std::time::Duration) -> String {
-    human_duration(d.as_secs_f64())
+/// A configured duration as it would be written: in the largest unit it is a whole number of (`30d`, `90m`).
+fn exact_duration(d: std::time::Duration) -> String {
+    let ms = d.as_millis();
+    [(86_400_000, "d"), (3_600_000, "h"), (60_000, "m"), (1_000, "s")]
+        .into_iter()
+        .find(|(unit, _)| ms >= *unit && ms.is_multiple_of(*unit))
+        .map_or_else(|| format!("{ms}ms"), |(unit, name)| format!("{}{name}", ms / unit))
 }
 
 fn human_duration(seconds: f64) -> String {
@@ -129,18 +134,40 @@ pub struct PruneOptions<'a> {
     pub force: bool,
     /// Discarded dead letters older than this leave the archive.
     pub archive_expiry: std::time::Duration,
+    /// Who prunes, for the audit trail.
+    pub actor: String,
 }
 
 /// The shortest retention `idem prune` accepts without `--force`: below it, markers go while a broker can
 /// usually still redeliver, and a redelivery after that is applied twice.
 const RETENTION_FLOOR: std::time::Duration = std::time::Duration::from_secs(3_600);
 
+/// The shortest archive expiry `idem prune` accepts without `--force`: the archive is the record of what was
+/// discarded, by whom and why.
+const ARCHIVE_EXPIRY_FLOOR: std::time::Duration = std::time::Duration::from_secs(86_400);
+
+/// What a prune did to (or, dry, would do to) the dead-letter archive.
+#[derive(Default)]
+struct ArchivePrune {
+    expired: i64,
+    deleted: u64,
+    /// Why the archive was not pruned, when it was not (the markers are pruned all the same).
+    failed: Option<String>,
+}
+
+impl ArchivePrune {
+    /// The report's fields for the archive.
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({ "expired": self.expired, "deleted": self.deleted, "error": self.failed })
+    }
+}
+
 /// `idem prune`: batched deletes on the plain layout; whole partitions dropped (and new ones created ahead) on
 /// the partitioned one.
 pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -> anyhow::Result<ExitCode> {
-    let PruneOptions { group, ref pruning, dry_run, json, create_ahead, force, archive_expiry } = *options;
+    let PruneOptions { group, dry_run, json, force, archive_expiry, ref actor, .. } = *options;
     let retention_text = retention.trim();
-    let retention = idem::duration::parse(retention)?;
+    let retention = idem::duration::parse(retention).map_err(|e| crate::flag_error("--retention", e))?;
     if retention < RETENTION_FLOOR && !force {
         bail!(
             "--retention {retention_text} is below one hour: markers would go while the broker can still redeliver \
@@ -148,25 +175,87 @@ pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -
              retention (Kafka: retention.ms), or pass --force if you mean it"
         );
     }
-    if pruning.batch_size == 0 {
+    if archive_expiry < ARCHIVE_EXPIRY_FLOOR && !force {
+        bail!(
+            "--archive-expiry {} is below one day: the archive is the record of which dead letters were discarded, \
+             by whom and why; keep it at least a day (default 30d), or pass --force if you mean it",
+            exact_duration(archive_expiry)
+        );
+    }
+    if options.pruning.batch_size == 0 {
         anyhow::bail!("--batch-size 0: use at least 1 (default 10000)");
     }
     let (db, tables) = Db::open_with(args, "processed_events").await?;
-    if !dry_run {
-        let batch = pruning.batch_size;
-        let expired = with_pool!(&db, pool =>
-            idem::dead_letter::prune_archive(pool, &tables, group, archive_expiry, batch).await);
-        match expired {
-            Ok(n) if !json => {
-                println!("deleted {n} archived dead letter(s) discarded over {} ago", format_duration(archive_expiry))
-            }
-            Ok(_) => {}
-            // The markers are pruned whatever becomes of the archive.
-            Err(error) => eprintln!("warning: the dead-letter archive was not pruned: {error} (run `idem migrate`)"),
-        }
+    let archive = prune_archive(&db, &tables, options).await;
+    if let Some(failed) = &archive.failed {
+        // The markers are pruned whatever becomes of the archive.
+        eprintln!("warning: the dead-letter archive was not pruned: {failed} (run `idem migrate`)");
+    } else if !json && dry_run {
+        println!(
+            "{} archived dead letter(s) discarded over {} ago would be deleted",
+            archive.expired,
+            exact_duration(archive_expiry)
+        );
+    } else if !json {
+        println!(
+            "deleted {} archived dead letter(s) discarded over {} ago",
+            archive.deleted,
+            exact_duration(archive_expiry)
+        );
     }
-    if let Db::Postgres(pool) = &db
-        && let Some(period) = idem::store::partitions::stored_period(pool, &tables).await?
+    let subjects = format!(
+        "markers older than {retention_text}{}; archived dead letters older than {}{}",
+        group.map(|g| format!(" of group {g}")).unwrap_or_default(),
+        exact_duration(archive_expiry),
+        if force { ", forced" } else { "" }
+    );
+    let pruned = prune_markers(&db, &tables, retention, retention_text, options, &archive).await;
+    if !dry_run {
+        let count = pruned.as_ref().map_or(0, |deleted| i64::try_from(*deleted).unwrap_or(i64::MAX));
+        crate::audit::note(
+            &db,
+            &tables,
+            actor,
+            "prune",
+            subjects,
+            &pruned.as_ref().map_err(|e| format!("{e:#}")),
+            count,
+        )
+        .await;
+    }
+    pruned?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prunes (or, dry, counts) the dead-letter archive; an archive that cannot be pruned is reported, not fatal.
+async fn prune_archive(db: &Db, tables: &Tables, options: &PruneOptions<'_>) -> ArchivePrune {
+    let (group, expiry, batch) = (options.group, options.archive_expiry, options.pruning.batch_size);
+    let counted = with_pool!(db, pool => idem::dead_letter::count_archive_expired(pool, tables, group, expiry).await);
+    let expired = match counted {
+        Ok(expired) => expired,
+        Err(error) => return ArchivePrune { failed: Some(error.to_string()), ..ArchivePrune::default() },
+    };
+    if options.dry_run {
+        return ArchivePrune { expired, ..ArchivePrune::default() };
+    }
+    match with_pool!(db, pool => idem::dead_letter::prune_archive(pool, tables, group, expiry, batch).await) {
+        Ok(deleted) => ArchivePrune { expired, deleted, failed: None },
+        Err(error) => ArchivePrune { expired, deleted: 0, failed: Some(error.to_string()) },
+    }
+}
+
+/// Prunes (or, dry, counts) the markers and prints the report; how many markers went.
+async fn prune_markers(
+    db: &Db,
+    tables: &Tables,
+    retention: std::time::Duration,
+    retention_text: &str,
+    options: &PruneOptions<'_>,
+    archive: &ArchivePrune,
+) -> anyhow::Result<u64> {
+    let PruneOptions { group, ref pruning, dry_run, json, create_ahead, .. } = *options;
+    if let Db::Postgres(pool) = db
+        && let Some(period) = idem::store::partitions::stored_period(pool, tables).await?
     {
         if group.is_some() {
             bail!(
@@ -174,16 +263,21 @@ pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -
                  group's cannot be pruned alone; prune without --group, or give each group its own --table-prefix"
             );
         }
-        return prune_partitions(pool, &tables, period, retention, create_ahead.max(1), dry_run, json).await;
+        let partitioned = Partitioned { period, retention, create_ahead: create_ahead.max(1), dry_run, json };
+        return prune_partitions(pool, tables, &partitioned, archive).await;
     }
-    let expired = with_pool!(&db, pool => idem::prune::count_expired(pool, &tables, group, retention).await?);
+    let expired = with_pool!(db, pool => idem::prune::count_expired(pool, tables, group, retention).await?);
     if dry_run {
         if json {
-            println!("{}", serde_json::json!({ "dry_run": true, "layout": "plain", "expired": expired, "deleted": 0 }));
+            println!(
+                "{}",
+                serde_json::json!({ "dry_run": true, "layout": "plain", "expired": expired, "deleted": 0,
+                    "archive": archive.json() })
+            );
         } else {
             println!("{expired} marker(s) older than {retention_text} would be deleted");
         }
-        return Ok(ExitCode::SUCCESS);
+        return Ok(0);
     }
     let bar = indicatif::ProgressBar::new(u64::try_from(expired).unwrap_or(0));
     if json {
@@ -194,7 +288,7 @@ pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
             .with_key("rate", rate),
     );
-    let report = with_pool!(&db, pool => idem::prune::prune(pool, &tables, group, retention, pruning, |done| bar.set_position(done)).await?);
+    let report = with_pool!(db, pool => idem::prune::prune(pool, tables, group, retention, pruning, |done| bar.set_position(done)).await?);
     bar.finish_and_clear();
     if json {
         println!(
@@ -207,6 +301,7 @@ pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -
                 "statements": report.statements,
                 "longest_statement_ms": report.longest_statement.as_secs_f64() * 1000.0,
                 "seconds": report.elapsed.as_secs_f64(),
+                "archive": archive.json(),
             })
         );
     } else {
@@ -218,19 +313,26 @@ pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -
             report.longest_statement.as_secs_f64() * 1000.0
         );
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(report.deleted)
 }
 
-async fn prune_partitions(
-    pool: &sqlx::PgPool,
-    tables: &Tables,
+/// What a prune of the partitioned layout does.
+struct Partitioned {
     period: idem::PartitionPeriod,
     retention: std::time::Duration,
     create_ahead: u32,
     dry_run: bool,
     json: bool,
-) -> anyhow::Result<ExitCode> {
+}
+
+async fn prune_partitions(
+    pool: &sqlx::PgPool,
+    tables: &Tables,
+    how: &Partitioned,
+    archive: &ArchivePrune,
+) -> anyhow::Result<u64> {
     use idem::store::partitions;
+    let Partitioned { period, retention, create_ahead, dry_run, json } = *how;
     if dry_run {
         let expired = partitions::expired(pool, tables, retention).await?;
         if json {
@@ -238,7 +340,7 @@ async fn prune_partitions(
             println!(
                 "{}",
                 serde_json::json!({ "dry_run": true, "layout": "partitioned", "expired": markers, "deleted": 0,
-                    "partitions_to_drop": expired })
+                    "partitions_to_drop": expired, "archive": archive.json() })
             );
         } else if expired.is_empty() {
             println!("no partition is wholly older than the retention");
@@ -247,7 +349,7 @@ async fn prune_partitions(
                 println!("would drop {} ({} marker(s))", p.name, p.markers);
             }
         }
-        return Ok(ExitCode::SUCCESS);
+        return Ok(0);
     }
     let started = std::time::Instant::now();
     let report = partitions::maintain(pool, tables, period, create_ahead, Some(retention)).await?;
@@ -263,6 +365,7 @@ async fn prune_partitions(
                 "partitions_dropped": report.dropped,
                 "partitions_created": report.created,
                 "seconds": started.elapsed().as_secs_f64(),
+                "archive": archive.json(),
             })
         );
     } else {
@@ -274,7 +377,7 @@ async fn prune_partitions(
             if report.dropped.is_empty() { String::new() } else { format!(": {}", report.dropped.join(", ")) }
         );
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(report.markers_dropped)
 }
 
 /// `idem markers layout`.

@@ -64,6 +64,12 @@ pub enum DeadLetterCommand {
         /// Replay letters older than the markers kept (after checking their effect is not there).
         #[arg(long)]
         force: bool,
+        /// Check each letter and say what a replay would do; publish nothing, change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Print one JSON object (replayed, refused with why, gone) instead of a line per letter.
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         actor: Actor,
     },
@@ -83,6 +89,12 @@ pub enum DeadLetterCommand {
         /// Why: kept in the archive and the audit trail.
         #[arg(long)]
         reason: String,
+        /// List what would be discarded; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Print one JSON object (discarded, left) instead of lines.
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         actor: Actor,
     },
@@ -122,18 +134,19 @@ pub struct Selection {
     pub message_type: Option<String>,
 }
 
-/// A [`Selection`] checked: the duration and the message type parsed.
+/// A [`Selection`] checked: the duration and the message type parsed, the fingerprint's form checked.
 struct Filter<'a> {
     select: &'a Selection,
     failed_before_ms: Option<i64>,
     typing: Option<MessageType>,
+    fingerprint: Option<String>,
 }
 
 impl Selection {
     fn filter(&self) -> anyhow::Result<Filter<'_>> {
         let failed_before_ms = match &self.older_than {
             Some(text) => {
-                let age = idem::duration::parse(text).map_err(|e| anyhow::anyhow!("--older-than: {e}"))?;
+                let age = idem::duration::parse(text).map_err(|e| crate::flag_error("--older-than", e))?;
                 Some(now_ms().saturating_sub(i64::try_from(age.as_millis()).unwrap_or(i64::MAX)))
             }
             None => None,
@@ -144,7 +157,20 @@ impl Selection {
             .map(MessageType::parse)
             .transpose()
             .map_err(|e| anyhow::anyhow!("--message-type: {e}"))?;
-        Ok(Filter { select: self, failed_before_ms, typing })
+        let fingerprint = match &self.fingerprint {
+            Some(text) => {
+                let fingerprint = text.trim().to_ascii_lowercase();
+                if fingerprint.len() != 12 || !fingerprint.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    bail!(
+                        "--fingerprint {text}: a fingerprint is 12 hexadecimal digits, as `idem dead-letters groups` \
+                         prints it"
+                    );
+                }
+                Some(fingerprint)
+            }
+            None => None,
+        };
+        Ok(Filter { select: self, failed_before_ms, typing, fingerprint })
     }
 
     /// Whether a filter beyond the consumer group is set.
@@ -158,7 +184,7 @@ impl Filter<'_> {
         let s = self.select;
         s.matching.as_deref().is_none_or(|text| letter.error.contains(text))
             && self.failed_before_ms.is_none_or(|before| letter.last_failed_at_ms < before)
-            && s.fingerprint.as_deref().is_none_or(|f| fingerprint_of(letter, self.typing.as_ref()) == f.trim())
+            && self.fingerprint.as_deref().is_none_or(|f| fingerprint_of(letter, self.typing.as_ref()) == f)
     }
 
     /// The dead letters taken, oldest first, at most `limit`.
@@ -197,16 +223,19 @@ pub async fn run(command: DeadLetterCommand) -> anyhow::Result<ExitCode> {
     match command {
         DeadLetterCommand::List { db, select, limit, json } => list(&db, &select.filter()?, limit, json).await,
         DeadLetterCommand::Groups { db, select, json } => groups(&db, &select.filter()?, json).await,
-        DeadLetterCommand::Replay { db, to, ids, all, select, force, actor } => {
+        DeadLetterCommand::Replay { db, to, ids, all, select, force, dry_run, json, actor } => {
             let target = to.target()?;
             let safety = if force { Safety::Forced } else { Safety::Checked };
-            replay(&db, &target, &Chosen { ids: &ids, all, filter: select.filter()? }, safety, &actor.name()).await
+            let chosen = Chosen { ids: &ids, all, filter: select.filter()? };
+            let how = Acting { actor: actor.name(), dry_run, json };
+            replay(&db, &target, &chosen, safety, &how).await
         }
-        DeadLetterCommand::Discard { db, ids, all, select, reason, actor } => {
+        DeadLetterCommand::Discard { db, ids, all, select, reason, dry_run, json, actor } => {
             if reason.trim().is_empty() {
                 bail!("--reason is empty: say why these dead letters are discarded (the archive keeps it)");
             }
-            discard(&db, &Chosen { ids: &ids, all, filter: select.filter()? }, &reason, &actor.name()).await
+            let chosen = Chosen { ids: &ids, all, filter: select.filter()? };
+            discard(&db, &chosen, &reason, &Acting { actor: actor.name(), dry_run, json }).await
         }
         DeadLetterCommand::Archived { db, group, limit, json } => archived(&db, group.as_deref(), limit, json).await,
     }
@@ -228,13 +257,17 @@ async fn list(args: &DbArgs, filter: &Filter<'_>, limit: i64, json: bool) -> any
     } else if letters.is_empty() {
         println!("no dead letters");
     } else {
-        println!("{:>6} {:<20} {:<24} {:<28} {:>8}  error", "id", "group", "event_id", "position", "attempts");
+        println!(
+            "{:>6} {:<20} {:<24} {:<28} {:>8} {:<24}  error",
+            "id", "group", "event_id", "position", "attempts", "last_failed"
+        );
         for l in &letters {
             let position = format!("{}/{}@{}", l.topic, l.partition, l.offset);
             let event_id = l.event_id.as_deref().unwrap_or("(no key)");
+            let failed = idem::store::rfc3339_from_ms(l.last_failed_at_ms);
             println!(
-                "{:>6} {:<20} {:<24} {:<28} {:>8}  {}",
-                l.id, l.consumer_group, event_id, position, l.attempts, l.error
+                "{:>6} {:<20} {:<24} {:<28} {:>8} {:<24}  {}",
+                l.id, l.consumer_group, event_id, position, l.attempts, failed, l.error
             );
         }
     }
@@ -278,9 +311,10 @@ async fn groups(args: &DbArgs, filter: &Filter<'_>, json: bool) -> anyhow::Resul
                 g.pattern
             );
         }
+        let typing = filter.select.message_type.as_ref().map(|t| format!(" --message-type {t}")).unwrap_or_default();
         println!(
-            "replay a group: idem dead-letters replay --fingerprint F (--log-dir DIR | --kafka BROKERS | …); \
-             discard one: idem dead-letters discard --fingerprint F --reason TEXT"
+            "replay a group: idem dead-letters replay --fingerprint F{typing} (--log-dir DIR | --kafka BROKERS | …); \
+             discard one: idem dead-letters discard --fingerprint F{typing} --reason TEXT"
         );
     }
     Ok(ExitCode::SUCCESS)
@@ -293,8 +327,15 @@ struct Chosen<'a> {
     filter: Filter<'a>,
 }
 
+/// Who runs an acting command, and how.
+struct Acting {
+    actor: String,
+    dry_run: bool,
+    json: bool,
+}
+
 impl Chosen<'_> {
-    /// The letters, every id checked; refused when nothing names them.
+    /// The letters, every id checked; refused, naming why, when nothing names them or an id is not there.
     async fn letters(&self, db: &Db, tables: &Tables, verb: &str) -> anyhow::Result<Vec<DeadLetter>> {
         let narrowed = self.filter.select.narrows();
         if self.ids.is_empty() && !self.all && !narrowed {
@@ -313,26 +354,93 @@ impl Chosen<'_> {
             .collect();
         for id in self.ids {
             if !letters.iter().any(|l| l.id == *id) {
-                bail!("no dead letter with id {id} among those the filters take; see `idem dead-letters list`");
+                bail!("{}", self.why_not_taken(db, tables, *id).await?);
             }
         }
-        if let (Some(fingerprint), true) = (&self.filter.select.fingerprint, letters.is_empty()) {
-            let typing = match &self.filter.select.message_type {
-                Some(t) => format!("with --message-type {t}"),
-                None => "without --message-type".to_owned(),
-            };
-            bail!(
-                "no dead letter has fingerprint {fingerprint} {typing}: a fingerprint depends on the message type \
-                 setting, so take it from `idem dead-letters groups` run with the same --message-type (and filters)"
-            );
+        if let (Some(fingerprint), true) = (&self.filter.fingerprint, letters.is_empty()) {
+            bail!("{}", self.why_no_group(db, tables, fingerprint).await?);
         }
         Ok(letters)
     }
 
-    /// What the audit trail records as the subjects.
-    fn subjects(&self) -> String {
-        if self.ids.is_empty() { self.filter.describe() } else { format!("ids {:?}", self.ids) }
+    /// Why dead letter `id` is not among those taken: the filters leave it out, it was discarded (by whom, when,
+    /// why), or there is no such letter.
+    async fn why_not_taken(&self, db: &Db, tables: &Tables, id: i64) -> anyhow::Result<String> {
+        let group = self.filter.select.group.as_deref();
+        let all = with_pool!(db, pool => idem::dead_letter::list(pool, tables, group, i64::MAX).await?);
+        if all.iter().any(|l| l.id == id) {
+            return Ok(format!(
+                "dead letter {id} is not among those the filters take ({}); drop the filters to name it by id",
+                self.filter.describe()
+            ));
+        }
+        let archived = with_pool!(db, pool => idem::dead_letter::archived_letter(pool, tables, id).await);
+        if let Ok(Some(a)) = archived {
+            return Ok(format!(
+                "dead letter {id} was discarded by {} at {} ({}); see `idem dead-letters archived`",
+                a.discarded_by,
+                idem::store::rfc3339_from_ms(a.discarded_at_ms),
+                a.reason
+            ));
+        }
+        Ok(match group {
+            Some(group) => format!("no dead letter of group {group} has id {id}; see `idem dead-letters list`"),
+            None => format!("no dead letter has id {id} (replayed since?); see `idem dead-letters list`"),
+        })
     }
+
+    /// Why failure group `fingerprint` selects nothing: the other filters leave its letters out, they were all
+    /// discarded, or the fingerprint was taken with another message-type setting (or is gone).
+    async fn why_no_group(&self, db: &Db, tables: &Tables, fingerprint: &str) -> anyhow::Result<String> {
+        let typing = self.filter.typing.as_ref();
+        let group = self.filter.select.group.as_deref();
+        let all = with_pool!(db, pool => idem::dead_letter::list(pool, tables, group, i64::MAX).await?);
+        let of_group = all.iter().filter(|l| fingerprint_of(l, typing) == fingerprint).count();
+        if of_group > 0 {
+            return Ok(format!(
+                "failure group {fingerprint} has {of_group} dead letter(s), but the other filters ({}) take none of \
+                 them",
+                self.filter.describe()
+            ));
+        }
+        let archived = with_pool!(db, pool => idem::dead_letter::archived(pool, tables, group, 10_000).await);
+        let discarded: Vec<_> = archived
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|a| fingerprint_of(&a.letter, typing) == fingerprint)
+            .collect();
+        if let Some(last) = discarded.first() {
+            return Ok(format!(
+                "failure group {fingerprint} has no dead letter left: {} of its letters were discarded, the last by \
+                 {} at {}; see `idem dead-letters archived`",
+                discarded.len(),
+                last.discarded_by,
+                idem::store::rfc3339_from_ms(last.discarded_at_ms)
+            ));
+        }
+        let setting = match &self.filter.select.message_type {
+            Some(t) => format!("with --message-type {t}"),
+            None => "without --message-type".to_owned(),
+        };
+        Ok(format!(
+            "no dead letter has fingerprint {fingerprint} {setting}: a fingerprint depends on the message-type \
+             setting, so take it from `idem dead-letters groups` run with the same --message-type; or its letters \
+             were replayed since"
+        ))
+    }
+
+    /// What the audit trail records as the subjects: the ids named, or the filters and the ids they took.
+    fn subjects(&self, taken: &[i64]) -> String {
+        if !self.ids.is_empty() {
+            return format!("ids {}", join(self.ids));
+        }
+        let filters = self.filter.describe();
+        if taken.is_empty() { filters } else { format!("{filters}: ids {}", join(taken)) }
+    }
+}
+
+fn join(ids: &[i64]) -> String {
+    ids.iter().map(i64::to_string).collect::<Vec<_>>().join(", ")
 }
 
 async fn replay(
@@ -340,43 +448,128 @@ async fn replay(
     target: &BrokerTarget,
     chosen: &Chosen<'_>,
     safety: Safety,
-    actor: &str,
+    how: &Acting,
 ) -> anyhow::Result<ExitCode> {
     let (db, tables) = Db::open_with(args, "dead_letters").await?;
-    let letters = chosen.letters(&db, &tables, "replay").await?;
-    let tally = replay_to(&db, &tables, target, &letters, safety).await;
-    let count = tally.as_ref().map_or(0, |t| t.replayed as i64);
-    let mut subjects = chosen.subjects();
-    if safety == Safety::Forced {
-        subjects.push_str(", forced");
-    }
-    let outcome = match &tally {
-        Ok(Tally { stopped_by: Some(error), replayed, .. }) => {
-            Err(anyhow::anyhow!("stopped after {replayed} replayed: {error:#}"))
+    let forced = if safety == Safety::Forced { ", forced" } else { "" };
+    let letters = match chosen.letters(&db, &tables, "replay").await {
+        Ok(letters) => letters,
+        Err(refused) => {
+            if !how.dry_run {
+                let subjects = format!("{}{forced}", chosen.subjects(&[]));
+                note(&db, &tables, &how.actor, "dead-letters replay", subjects, &Err::<(), _>(&refused), 0).await;
+            }
+            return Err(refused);
         }
-        Ok(t) if t.refused > 0 => Err(anyhow::anyhow!("{} refused: it could apply an effect twice", t.refused)),
-        Ok(_) => Ok(()),
-        Err(error) => Err(anyhow::anyhow!("{error:#}")),
     };
-    note(&db, &tables, actor, "dead-letters replay", subjects, &outcome, count).await;
-    let mut tally = tally?;
-    println!("{} dead letter(s) replayed", tally.replayed);
-    if let Some(error) = tally.stopped_by.take() {
-        return Err(error.context(format!("the replay stopped after {} dead letter(s)", tally.replayed)));
+    let tally = if how.dry_run {
+        check_all(&db, &tables, &letters, safety).await
+    } else {
+        replay_to(&db, &tables, target, &letters, safety).await
+    };
+    if !how.dry_run {
+        let taken: Vec<i64> = letters.iter().map(|l| l.id).collect();
+        let subjects = format!("{}{forced}", chosen.subjects(&taken));
+        let count = tally.as_ref().map_or(0, |t| t.replayed.len() as i64);
+        let outcome = match &tally {
+            Ok(Tally { stopped_by: Some(error), replayed, .. }) => {
+                Err(anyhow::anyhow!("stopped after {} replayed: {error:#}", replayed.len()))
+            }
+            Ok(t) if !t.refused.is_empty() => Err(anyhow::anyhow!(
+                "ids {} refused: a replay could apply their effect twice",
+                join(&t.refused.iter().map(|r| r.0).collect::<Vec<_>>())
+            )),
+            Ok(_) => Ok(()),
+            Err(error) => Err(anyhow::anyhow!("{error:#}")),
+        };
+        note(&db, &tables, &how.actor, "dead-letters replay", subjects, &outcome, count).await;
     }
-    if tally.refused > 0 {
-        eprintln!("{} dead letter(s) refused (see above); nothing was published for them", tally.refused);
+    let mut tally = tally?;
+    tally.report(how);
+    if let Some(error) = tally.stopped_by.take() {
+        return Err(error.context(format!("the replay stopped after {} dead letter(s)", tally.replayed.len())));
+    }
+    // A dry run did what it was asked (its report says which would be refused); a replay that refused some fails.
+    if !tally.refused.is_empty() && !how.dry_run {
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// What a replay did, up to the error that stopped it if one did.
+/// What a replay did (or, dry, would do), up to the error that stopped it if one did.
 #[derive(Default)]
 struct Tally {
-    replayed: usize,
-    refused: usize,
+    replayed: Vec<i64>,
+    refused: Vec<(i64, idem::dead_letter::ReplayRisk, String)>,
+    gone: Vec<i64>,
     stopped_by: Option<anyhow::Error>,
+}
+
+impl Tally {
+    fn count(&mut self, letter: &DeadLetter, replayed: Replayed) {
+        match replayed {
+            Replayed::Published => self.replayed.push(letter.id),
+            Replayed::Gone => self.gone.push(letter.id),
+            Replayed::Refused(risk) => self.refused.push((letter.id, risk, risk.explain(letter))),
+        }
+    }
+
+    /// Prints what was done: a line per letter, or one JSON object.
+    fn report(&self, how: &Acting) {
+        if how.json {
+            let refused: Vec<serde_json::Value> = self
+                .refused
+                .iter()
+                .map(|(id, risk, why)| {
+                    let risk = match risk {
+                        idem::dead_letter::ReplayRisk::MarkersPruned => "markers_pruned",
+                        idem::dead_letter::ReplayRisk::AppliedSince => "applied_since",
+                    };
+                    serde_json::json!({ "id": id, "risk": risk, "why": why })
+                })
+                .collect();
+            let done = if how.dry_run { "would_replay" } else { "replayed" };
+            println!(
+                "{}",
+                serde_json::json!({
+                    "dry_run": how.dry_run, done: self.replayed, "refused": refused, "gone": self.gone,
+                    "stopped_by": self.stopped_by.as_ref().map(|e| format!("{e:#}")),
+                })
+            );
+            return;
+        }
+        let (verb, summary) =
+            if how.dry_run { ("would replay", "would be replayed") } else { ("replayed", "replayed") };
+        for id in &self.replayed {
+            println!("{verb} {id}");
+        }
+        for id in &self.gone {
+            println!("{id}: gone (replayed or discarded meanwhile)");
+        }
+        for (_, _, why) in &self.refused {
+            eprintln!("refused: {why}");
+        }
+        println!("{} dead letter(s) {summary}", self.replayed.len());
+        if !self.refused.is_empty() {
+            eprintln!("{} dead letter(s) refused (see above); nothing was published for them", self.refused.len());
+        }
+    }
+}
+
+/// A dry run: what a replay of each letter would do now.
+async fn check_all(db: &Db, tables: &Tables, letters: &[DeadLetter], safety: Safety) -> anyhow::Result<Tally> {
+    let mut tally = Tally::default();
+    for letter in letters {
+        let checked = with_pool!(db, pool => idem::dead_letter::check_replay(pool, tables, letter, safety).await);
+        match checked {
+            Ok(checked) => tally.count(letter, checked),
+            Err(error) => {
+                tally.stopped_by = Some(anyhow::anyhow!("dead letter {}: {error}", letter.id));
+                break;
+            }
+        }
+    }
+    Ok(tally)
 }
 
 /// Replays `letters` through the broker `target` names.
@@ -465,43 +658,58 @@ async fn replay_through<P: Publisher>(
     let mut tally = Tally::default();
     for letter in letters {
         let replayed = with_pool!(db, pool => idem::dead_letter::replay(pool, tables, publisher, letter, safety).await);
-        let replayed = match replayed {
-            Ok(replayed) => replayed,
+        match replayed {
+            Ok(replayed) => tally.count(letter, replayed),
             Err(error) => {
                 tally.stopped_by = Some(anyhow::anyhow!("dead letter {}: {error}", letter.id));
-                return Ok(tally);
-            }
-        };
-        match replayed {
-            Replayed::Published => {
-                tally.replayed += 1;
-                println!("replayed {} ({})", letter.id, letter.event_id.as_deref().unwrap_or("no key"));
-            }
-            Replayed::Gone => println!("{}: gone (replayed or discarded meanwhile)", letter.id),
-            Replayed::Refused(risk) => {
-                tally.refused += 1;
-                eprintln!("refused: {}", risk.explain(letter));
+                break;
             }
         }
     }
     Ok(tally)
 }
 
-async fn discard(args: &DbArgs, chosen: &Chosen<'_>, reason: &str, actor: &str) -> anyhow::Result<ExitCode> {
+async fn discard(args: &DbArgs, chosen: &Chosen<'_>, reason: &str, how: &Acting) -> anyhow::Result<ExitCode> {
     let (db, tables) = Db::open_with(args, "dead_letter_archive").await?;
-    let letters = chosen.letters(&db, &tables, "discard").await?;
-    let discarded: anyhow::Result<usize> = with_pool!(&db, pool =>
+    let actor = how.actor.as_str();
+    let letters = match chosen.letters(&db, &tables, "discard").await {
+        Ok(letters) => letters,
+        Err(refused) => {
+            if !how.dry_run {
+                let subjects = format!("{}, reason: {reason}", chosen.subjects(&[]));
+                note(&db, &tables, actor, "dead-letters discard", subjects, &Err::<(), _>(&refused), 0).await;
+            }
+            return Err(refused);
+        }
+    };
+    let taken: Vec<i64> = letters.iter().map(|l| l.id).collect();
+    if how.dry_run {
+        if how.json {
+            println!("{}", serde_json::json!({ "dry_run": true, "would_discard": taken }));
+        } else {
+            for l in &letters {
+                println!("would discard {} ({}): {}", l.id, l.event_id.as_deref().unwrap_or("no key"), l.error);
+            }
+            println!("{} dead letter(s) would be discarded", taken.len());
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let discarded: anyhow::Result<Vec<i64>> = with_pool!(&db, pool =>
         idem::dead_letter::discard(pool, &tables, &letters, actor, reason).await.map_err(anyhow::Error::from));
-    let count = discarded.as_ref().map_or(0, |n| *n as i64);
-    let subjects = format!("{}, reason: {reason}", chosen.subjects());
+    let count = discarded.as_ref().map_or(0, |ids| ids.len() as i64);
+    let subjects = format!("{}, reason: {reason}", chosen.subjects(&taken));
     note(&db, &tables, actor, "dead-letters discard", subjects, &discarded, count).await;
     let discarded = discarded?;
-    println!("{discarded} dead letter(s) discarded into the archive; see `idem dead-letters archived`");
-    if discarded < letters.len() {
-        eprintln!("{} were under replay or gone meanwhile, and were left", letters.len() - discarded);
-        return Ok(ExitCode::FAILURE);
+    let left: Vec<i64> = taken.iter().copied().filter(|id| !discarded.contains(id)).collect();
+    if how.json {
+        println!("{}", serde_json::json!({ "dry_run": false, "discarded": discarded, "left": left }));
+    } else {
+        println!("{} dead letter(s) discarded into the archive; see `idem dead-letters archived`", discarded.len());
+        if !left.is_empty() {
+            eprintln!("ids {} were under replay or gone meanwhile, and were left", join(&left));
+        }
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(if left.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
 async fn archived(args: &DbArgs, group: Option<&str>, limit: i64, json: bool) -> anyhow::Result<ExitCode> {

@@ -49,7 +49,7 @@ pub fn run_to_exit(
 /// Where the markers live: the database URL and the table names.
 #[derive(clap::Args, Clone, Debug)]
 pub struct DbArgs {
-    /// Database URL: postgres://user@host/db or sqlite://path.db.
+    /// Database URL: postgres://user@host/db, mysql://user@host/db or sqlite://path.db.
     #[arg(long, env = "IDEM_DATABASE_URL")]
     pub database_url: String,
     /// PostgreSQL schema of idem's tables (`idem migrate` creates it if missing).
@@ -58,4 +58,13 @@ pub struct DbArgs {
     /// Prefix of idem's table names, so several services can share one database.
     #[arg(long, default_value = "")]
     pub table_prefix: String,
+}
+
+/// A flag's value refused by idem: the flag named, then why and the fix (without the "configuration:" prefix a
+/// service file's errors carry).
+pub fn flag_error(flag: &str, error: idem::Error) -> anyhow::Error {
+    match error {
+        idem::Error::Config(why) => anyhow::anyhow!("{flag}: {why}"),
+        other => anyhow::anyhow!("{flag}: {other}"),
+    }
 }

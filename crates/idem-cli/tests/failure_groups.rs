@@ -145,10 +145,32 @@ async fn discarded_letters_are_archived_and_old_ones_replay_only_when_forced() {
         idem().args(["dead-letters", "discard", "--fingerprint", refunds, "--reason", "x"]).args(db).output().unwrap();
     assert!(!untyped.status.success());
     assert!(String::from_utf8_lossy(&untyped.stderr).contains("without --message-type"), "{untyped:?}");
-    // A discard names what it takes and says why.
+    // A fingerprint is twelve hex digits; one narrowed away by another filter says so.
+    let malformed = idem().args(["dead-letters", "list", "--fingerprint", "refunds"]).args(db).output().unwrap();
+    assert!(String::from_utf8_lossy(&malformed.stderr).contains("12 hexadecimal digits"), "{malformed:?}");
+    let narrowed = idem()
+        .args(["dead-letters", "discard", "--fingerprint", &refunds.to_uppercase(), "--message-type", "header:type"])
+        .args(["--older-than", "1h", "--reason", "x"])
+        .args(db)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&narrowed.stderr);
+    assert!(stderr.contains("has 2 dead letter(s), but the other filters"), "{stderr}");
+    // A discard names what it takes and says why; the refusal is in the audit trail.
     let out = idem().args(["dead-letters", "discard", "--reason", "x"]).args(db).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("name the dead letters to discard"), "{out:?}");
+    let audit = json(&[&["audit", "list", "--json"], &db[..]].concat());
+    let entry = &audit.as_array().unwrap()[0];
+    assert_eq!((entry["action"].as_str(), entry["count"].as_i64()), (Some("dead-letters discard"), Some(0)));
+    assert!(entry["outcome"].as_str().unwrap().contains("name the dead letters"), "{entry}");
+    // A dry run says what it would take and changes nothing (nor writes the trail).
+    let dry = json(
+        &[&["dead-letters", "discard", "--matching", "cents", "--reason", "x", "--dry-run", "--json"], &db[..]]
+            .concat(),
+    );
+    assert_eq!(dry["would_discard"].as_array().map(Vec::len), Some(2), "{dry}");
+    assert_eq!(json(&[&["audit", "list", "--json"], &db[..]].concat()), audit, "a dry run is not audited");
     let out = idem()
         .args(["dead-letters", "discard", "--failure-group", refunds, "--message-type", "header:type"])
         .args(db)
@@ -174,17 +196,41 @@ async fn discarded_letters_are_archived_and_old_ones_replay_only_when_forced() {
         (entry["action"].as_str(), entry["actor"].as_str(), entry["count"].as_i64()),
         (Some("dead-letters discard"), Some("alice"), Some(2))
     );
+    let subjects = entry["subjects"].as_str().unwrap();
+    assert!(subjects.contains(&format!("ids {}", first["id"])) || subjects.contains(&format!(", {}", first["id"])));
+    // A letter discarded already: who did it, and when.
+    let again = idem()
+        .args(["dead-letters", "discard", &first["id"].to_string(), "--reason", "twice"])
+        .args(db)
+        .output()
+        .unwrap();
+    assert!(!again.status.success());
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(stderr.contains("was discarded by alice at"), "{stderr}");
     let none = json(&[&["dead-letters", "list", "--older-than", "1h", "--json"], &db[..]].concat());
     assert_eq!(ids(&none), Vec::<&str>::new(), "every letter failed within the hour");
 
-    // The archive outlives a prune within its expiry, not one past it.
-    let prune = |expiry: &str| {
-        let out = idem().args(["prune", "--retention", "8d", "--archive-expiry", expiry]).args(db).output().unwrap();
+    // The archive outlives a prune within its expiry, not one past it; an expiry below a day needs --force; a dry
+    // run counts what would go; a prune is audited.
+    let prune = |expiry: &str, more: &[&str]| {
+        let out = idem().args(["prune", "--retention", "8d", "--archive-expiry", expiry]).args(more).args(db).output();
+        let out = out.unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         json(&[&["dead-letters", "archived", "--json"], &db[..]].concat()).as_array().unwrap().len()
     };
-    assert_eq!(prune("30d"), 2);
-    assert_eq!(prune("1ms"), 0);
+    assert_eq!(prune("30d", &[]), 2);
+    let floor = idem().args(["prune", "--retention", "8d", "--archive-expiry", "0s"]).args(db).output().unwrap();
+    let stderr = String::from_utf8_lossy(&floor.stderr);
+    assert!(!floor.status.success() && stderr.contains("below one day") && stderr.contains("--force"), "{stderr}");
+    let dry = json(
+        &[&["prune", "--retention", "8d", "--archive-expiry", "1ms", "--force", "--dry-run", "--json"], &db[..]]
+            .concat(),
+    );
+    assert_eq!((dry["archive"]["expired"].as_i64(), dry["archive"]["deleted"].as_i64()), (Some(2), Some(0)), "{dry}");
+    assert_eq!(prune("1ms", &["--force", "--as", "bob"]), 0);
+    let audit = json(&[&["audit", "list", "--json"], &db[..]].concat());
+    let entry = &audit.as_array().unwrap()[0];
+    assert_eq!((entry["action"].as_str(), entry["actor"].as_str()), (Some("prune"), Some("bob")), "{entry}");
 
     // Every marker pruned: a replay is refused unless forced.
     let pool = idem::sqlite::connect(&url).await.unwrap();
@@ -198,6 +244,11 @@ async fn discarded_letters_are_archived_and_old_ones_replay_only_when_forced() {
         }
         command.output().unwrap()
     };
+    let log = log_dir.to_str().unwrap();
+    let dry_replay = ["dead-letters", "replay", "--matching", "account", "--dry-run", "--json", "--log-dir", log];
+    let checked = json(&[&dry_replay[..], &db[..]].concat());
+    assert_eq!(checked["refused"][0]["risk"], "markers_pruned", "{checked}");
+    assert_eq!(checked["would_replay"].as_array().map(Vec::len), Some(0), "{checked}");
     let refused = replay(false);
     assert!(!refused.status.success());
     let stderr = String::from_utf8_lossy(&refused.stderr);

@@ -55,7 +55,27 @@ pub async fn list<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables, limit: i6
     Ok(DB::audit_entries(pool, tables, limit).await?)
 }
 
-/// The operating-system user running this process, for an entry's actor when none is given.
+/// The operating-system user running this process, for an entry's actor when none is given: `$USER`, else
+/// `$LOGNAME`, else the name the password database gives the process's user id (`uid N` when it has none).
 pub fn os_user() -> String {
-    std::env::var("USER").or_else(|_| std::env::var("LOGNAME")).unwrap_or_else(|_| "unknown".to_owned())
+    let named = |var: &str| std::env::var(var).ok().filter(|name| !name.trim().is_empty());
+    named("USER").or_else(|| named("LOGNAME")).unwrap_or_else(user_of_uid)
+}
+
+/// The login name of the process's real user id, read from `/etc/passwd` (no lookup through NSS, so a directory
+/// user is shown as `uid N`).
+fn user_of_uid() -> String {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+    passwd
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split(':');
+            let name = fields.next()?;
+            let id = fields.nth(1)?.parse::<u32>().ok()?;
+            (id == uid).then(|| name.to_owned())
+        })
+        .next()
+        .unwrap_or_else(|| format!("uid {uid}"))
 }

@@ -153,7 +153,7 @@ pub struct Pruning {
     /// Pause between two statements, so the consumer keeps the table. Default 200 ms.
     pub pause: Duration,
     /// Discarded dead letters stay in the archive this long, then the background pruner deletes them
-    /// (`idem prune --archive-expiry` in one pass). Default 30 days.
+    /// (`idem prune --archive-expiry` in one pass). Default 30 days; under an hour is refused.
     pub archive_expiry: Duration,
 }
 
@@ -289,6 +289,13 @@ impl Config {
                     .into(),
             ));
         }
+        if self.pruning.archive_expiry < Duration::from_secs(3_600) {
+            return Err(Error::Config(
+                "pruning.archive_expiry (dead_letter_archive_expiry) is under an hour: the archive is the record of \
+                 which dead letters were discarded, by whom and why; keep it at least a day (default 30 days)"
+                    .into(),
+            ));
+        }
         if self.pruning.batch_size == 0 || self.pruning.batch_size > 1_000_000 {
             return Err(Error::Config(format!(
                 "pruning.batch_size = {} is out of range: use 1 to 1000000 (default 10000)",
@@ -365,6 +372,9 @@ mod tests {
         assert!(Config::new(" ", KeyExtractor::BrokerId).validate().unwrap_err().to_string().contains("group"));
         let err = config().backoff(Duration::from_secs(9), Duration::from_secs(1)).validate().unwrap_err();
         assert!(err.to_string().contains("backoff"));
+        let mut short = config();
+        short.pruning.archive_expiry = Duration::from_secs(60);
+        assert!(short.validate().unwrap_err().to_string().contains("archive_expiry"));
     }
 
     #[test]

@@ -66,16 +66,18 @@ impl ReplayRisk {
         let failed = crate::store::rfc3339_from_ms(letter.last_failed_at_ms);
         match self {
             ReplayRisk::MarkersPruned => format!(
-                "dead letter {} failed at {failed}, before the oldest marker consumer group {:?} keeps: the markers of \
-                 its time were pruned (the marker retention), so a copy the broker delivered since could have been \
-                 applied without a trace, and a replay would apply it twice. Check its effect; replay with --force if \
-                 it is not there (a group on natural keys keeps no markers: its unique key absorbs a second copy, \
-                 so --force is safe there), or discard it",
-                letter.id, letter.consumer_group
+                "dead letter {} failed at {failed}, and consumer group {:?} keeps no marker from that time or before: \
+                 the markers of its time were pruned (the marker retention), so a copy the broker delivered since \
+                 could have been applied without a trace, and a replay would apply it twice. Check its effect; replay \
+                 it with --force if it is not there (a group on natural keys keeps no markers: its unique key absorbs \
+                 a second copy, so --force is safe there), or discard it with `idem dead-letters discard {} --reason \
+                 TEXT`",
+                letter.id, letter.consumer_group, letter.id
             ),
             ReplayRisk::AppliedSince => format!(
                 "dead letter {}'s event {:?} was applied by consumer group {:?} after it failed at {failed} (its \
-                 marker is newer): a replay would apply it twice. Discard it with `idem dead-letters discard {}`",
+                 marker is newer): a replay would apply it twice. Discard it with `idem dead-letters discard {} \
+                 --reason TEXT`",
                 letter.id,
                 letter.event_id.as_deref().unwrap_or(""),
                 letter.consumer_group,
@@ -93,14 +95,8 @@ pub async fn replay<DB: Backend, P: Publisher>(
     letter: &DeadLetter,
     safety: Safety,
 ) -> Result<Replayed, Error> {
-    if letter.error.starts_with(ID_REUSED_PREFIX) {
-        return Err(Error::Config(format!(
-            "dead letter {} is an event whose id was already used by another event: replaying it under the same id \
-             would be refused again. Fix the producer, and publish it under a new id",
-            letter.id
-        )));
-    }
-    match DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced).await? {
+    refuse_reused_id(letter)?;
+    match DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, false).await? {
         ReplayStart::Started => {}
         ReplayStart::Gone => return Ok(Replayed::Gone),
         ReplayStart::Refused(risk) => return Ok(Replayed::Refused(risk)),
@@ -114,8 +110,36 @@ pub async fn replay<DB: Backend, P: Publisher>(
     Ok(Replayed::Published)
 }
 
+/// What [`replay`] would do with `letter` now, without doing it: `Published` says it would be published.
+pub async fn check_replay<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    letter: &DeadLetter,
+    safety: Safety,
+) -> Result<Replayed, Error> {
+    refuse_reused_id(letter)?;
+    Ok(match DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, true).await? {
+        ReplayStart::Started => Replayed::Published,
+        ReplayStart::Gone => Replayed::Gone,
+        ReplayStart::Refused(risk) => Replayed::Refused(risk),
+    })
+}
+
+/// An id-reuse dead letter cannot be replayed under its id.
+fn refuse_reused_id(letter: &DeadLetter) -> Result<(), Error> {
+    if letter.error.starts_with(ID_REUSED_PREFIX) {
+        Err(Error::Config(format!(
+            "dead letter {} is an event whose id was already used by another event: replaying it under the same id \
+             would be refused again. Fix the producer, and publish it under a new id",
+            letter.id
+        )))
+    } else {
+        Ok(())
+    }
+}
+
 /// Discards dead letters: each, in one transaction, leaves the dead letters for the archive with who discarded
-/// it, when and why. Its marker stays, so a redelivery of the event is still absorbed. Returns how many were
+/// it, when and why. Its marker stays, so a redelivery of the event is still absorbed. Returns the ids of those
 /// discarded (a letter under replay, or gone, is left).
 pub async fn discard<DB: Backend>(
     pool: &sqlx::Pool<DB>,
@@ -123,15 +147,15 @@ pub async fn discard<DB: Backend>(
     letters: &[DeadLetter],
     actor: &str,
     reason: &str,
-) -> Result<usize, Error> {
+) -> Result<Vec<i64>, Error> {
     if reason.trim().is_empty() {
         return Err(Error::Config("a discard needs a reason (--reason TEXT): the archive keeps it".into()));
     }
     let discard = Discard { actor, reason, at_ms: crate::engine::now_ms() };
-    let mut discarded = 0;
+    let mut discarded = Vec::new();
     for letter in letters {
         if DB::archive_dead_letter(pool, tables, letter, &discard).await? {
-            discarded += 1;
+            discarded.push(letter.id);
             tracing::info!(id = letter.id, consumer_group = %letter.consumer_group, actor, reason, "dead letter discarded into the archive");
         }
     }
@@ -148,6 +172,31 @@ pub async fn archived<DB: Backend>(
     Ok(DB::archived_letters(pool, tables, group, limit).await?)
 }
 
+/// The archived letter that was dead letter `id` (who discarded it, when and why), if the archive still holds it.
+pub async fn archived_letter<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    id: i64,
+) -> Result<Option<ArchivedLetter>, Error> {
+    Ok(DB::archived_letter(pool, tables, id).await?)
+}
+
+/// Counts the archived letters (of `group`, or of every group) discarded more than `expiry` ago: what
+/// [`prune_archive`] would delete.
+pub async fn count_archive_expired<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    group: Option<&str>,
+    expiry: std::time::Duration,
+) -> Result<i64, Error> {
+    Ok(DB::count_archive_expired(pool, tables, group, expired_before(expiry)).await?)
+}
+
+/// The discard time before which an archived letter has expired.
+fn expired_before(expiry: std::time::Duration) -> i64 {
+    crate::engine::now_ms().saturating_sub(i64::try_from(expiry.as_millis()).unwrap_or(i64::MAX))
+}
+
 /// Deletes the archived letters (of `group`, or of every group) discarded more than `expiry` ago, in statements
 /// of at most `batch_size` rows; how many went.
 pub async fn prune_archive<DB: Backend>(
@@ -157,7 +206,7 @@ pub async fn prune_archive<DB: Backend>(
     expiry: std::time::Duration,
     batch_size: u32,
 ) -> Result<u64, Error> {
-    let before = crate::engine::now_ms().saturating_sub(i64::try_from(expiry.as_millis()).unwrap_or(i64::MAX));
+    let before = expired_before(expiry);
     let limit = i64::from(batch_size.max(1));
     let mut deleted = 0;
     loop {

@@ -211,7 +211,7 @@ where
 
     // p1: step 1 and the publish ran, the copy was applied, the last step never ran; a second replay must not
     // delete the applied copy's marker.
-    let start = DB::begin_replay(&pool, &tables, letters[0].id, false).await.unwrap();
+    let start = DB::begin_replay(&pool, &tables, letters[0].id, false, false).await.unwrap();
     assert_eq!(start, idem::store::ReplayStart::Started);
     let mut copy = letters[0].message();
     copy.headers.push((idem::dead_letter::REPLAY_FOR_HEADER.into(), letters[0].consumer_group.clone().into_bytes()));
@@ -226,6 +226,12 @@ where
     let refused = replay(&pool, &producer, &letters[1], Safety::Checked).await;
     assert_eq!(refused, Replayed::Refused(ReplayRisk::MarkersPruned));
     assert!(ReplayRisk::MarkersPruned.explain(&letters[1]).contains("--force"));
+    // A check (a dry run) says what a replay would do and changes nothing.
+    let check = |safety| idem::dead_letter::check_replay(&pool, &tables, &letters[1], safety);
+    assert_eq!(check(Safety::Checked).await.unwrap(), Replayed::Refused(ReplayRisk::MarkersPruned));
+    assert_eq!(check(Safety::Forced).await.unwrap(), Replayed::Published);
+    let still = idem::dead_letter::list(&pool, &tables, None, 10).await.unwrap();
+    assert!(still.iter().any(|l| l.id == letters[1].id && l.status == "dead"), "a check leaves the row: {still:?}");
     assert_eq!(ledger_rows(&pool, "p2").await, 0);
     assert_eq!(replay(&pool, &producer, &letters[1], Safety::Forced).await, Replayed::Published);
     assert_eq!(run().await.processed, 1);

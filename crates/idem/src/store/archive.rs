@@ -50,6 +50,20 @@ pub trait Archive: Store {
         group: Option<&str>,
         limit: i64,
     ) -> impl Future<Output = Result<Vec<ArchivedLetter>, sqlx::Error>> + Send;
+    /// The archived letter that was dead letter `id`, if the archive still holds it.
+    fn archived_letter(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        id: i64,
+    ) -> impl Future<Output = Result<Option<ArchivedLetter>, sqlx::Error>> + Send;
+    /// Counts the archived letters (of `group`, or of every group) discarded before `before_ms`: what a prune
+    /// would delete.
+    fn count_archive_expired(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        group: Option<&str>,
+        before_ms: i64,
+    ) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
     /// Deletes at most `limit` archived letters (of `group`, or of every group) discarded before `before_ms`;
     /// how many went.
     fn prune_archive_batch(
@@ -66,6 +80,8 @@ pub(crate) struct Statements {
     pub remove: String,
     pub insert: String,
     pub select: String,
+    pub select_one: String,
+    pub count_expired: String,
     pub prune: String,
 }
 
@@ -82,6 +98,14 @@ impl Statements {
             Style::Sqlite => column.to_owned(),
             Style::MySql => format!("TIMESTAMPDIFF(MICROSECOND, '1970-01-01', {column}) DIV 1000"),
         };
+        let columns = format!(
+            r#"SELECT dead_letter_id, {}, {}, {}, partition, "offset", key, payload, headers, error, attempts,
+                 first_failed_at_ms, last_failed_at_ms, 'archived', discarded_at_ms, discarded_by, discard_reason
+               FROM {{t}}dead_letter_archive"#,
+            text("consumer_group"),
+            text("event_id"),
+            text("topic")
+        );
         Statements {
             remove: render("DELETE FROM {t}dead_letters WHERE id = ? AND status = 'dead'"),
             // The row as it is now, not as the operator listed it: a redelivery may have failed it again since.
@@ -95,13 +119,10 @@ impl Statements {
                 ms("first_failed_at"),
                 ms("last_failed_at")
             )),
-            select: render(&format!(
-                r#"SELECT dead_letter_id, {}, {}, {}, partition, "offset", key, payload, headers, error, attempts,
-                     first_failed_at_ms, last_failed_at_ms, 'archived', discarded_at_ms, discarded_by, discard_reason
-                   FROM {{t}}dead_letter_archive WHERE {whose} ORDER BY id DESC LIMIT ?"#,
-                text("consumer_group"),
-                text("event_id"),
-                text("topic")
+            select: render(&format!("{columns} WHERE {whose} ORDER BY id DESC LIMIT ?")),
+            select_one: render(&format!("{columns} WHERE dead_letter_id = ? ORDER BY id DESC LIMIT 1")),
+            count_expired: render(&format!(
+                "SELECT COUNT(*) FROM {{t}}dead_letter_archive WHERE {whose} AND discarded_at_ms < ?"
             )),
             prune: render(&match style {
                 Style::MySql => {
@@ -174,6 +195,27 @@ macro_rules! impl_archive {
             ) -> Result<Vec<$crate::store::archive::ArchivedLetter>, sqlx::Error> {
                 let statements = $crate::store::archive::Statements::new(tables, $style);
                 sqlx::query_as(&statements.select).bind(group).bind(limit).fetch_all(pool).await
+            }
+
+            async fn archived_letter(
+                pool: &sqlx::Pool<$db>,
+                tables: &$crate::store::Tables,
+                id: i64,
+            ) -> Result<Option<$crate::store::archive::ArchivedLetter>, sqlx::Error> {
+                let statements = $crate::store::archive::Statements::new(tables, $style);
+                sqlx::query_as(&statements.select_one).bind(id).fetch_optional(pool).await
+            }
+
+            async fn count_archive_expired(
+                pool: &sqlx::Pool<$db>,
+                tables: &$crate::store::Tables,
+                group: Option<&str>,
+                before_ms: i64,
+            ) -> Result<i64, sqlx::Error> {
+                let statements = $crate::store::archive::Statements::new(tables, $style);
+                let (count,): (i64,) =
+                    sqlx::query_as(&statements.count_expired).bind(group).bind(before_ms).fetch_one(pool).await?;
+                Ok(count)
             }
 
             async fn prune_archive_batch(

@@ -157,12 +157,14 @@ pub trait Operations: Store {
         limit: i64,
     ) -> impl Future<Output = Result<Vec<DeadLetter>, Error>> + Send;
     /// First step of a replay, in one transaction: deletes the event's marker and marks the row `replaying`,
-    /// unless replaying could apply the effect twice (see [`ReplayRisk`]; `force` accepts pruned markers).
+    /// unless replaying could apply the effect twice (see [`ReplayRisk`]; `force` accepts pruned markers). With
+    /// `check_only` it changes nothing and says whether the replay would start.
     fn begin_replay(
         pool: &sqlx::Pool<Self>,
         tables: &Tables,
         id: i64,
         force: bool,
+        check_only: bool,
     ) -> impl Future<Output = Result<ReplayStart, Error>> + Send;
     /// Deletes at most `limit` markers older than `older_than` (of `group`, or of every group) in one statement
     /// (PostgreSQL: by `ctid`; SQLite: by `rowid`) and returns how many went.

@@ -37,13 +37,15 @@ pub enum ReplayRisk {
 /// must stay so that a second copy is absorbed). Unless `force`, a keyed letter older than every marker of its
 /// group is refused ([`ReplayRisk::MarkersPruned`]); a `dead` letter whose event's marker is newer than its
 /// failure is always refused ([`ReplayRisk::AppliedSince`]). A marker and its dead letter are written in one
-/// transaction, the marker first, so the letter's own marker is never newer than its failure.
+/// transaction, the marker first, so the letter's own marker is never newer than its failure. With
+/// `check_only`, the checks run and nothing changes: `Started` then says the replay would start.
 pub(crate) async fn begin<DB>(
     pool: &Pool<DB>,
     tables: &Tables,
     style: Style,
     id: i64,
     force: bool,
+    check_only: bool,
 ) -> Result<ReplayStart, Error>
 where
     DB: sqlx::Database,
@@ -99,6 +101,9 @@ where
         if kept == 0 {
             return Ok(ReplayStart::Refused(ReplayRisk::MarkersPruned));
         }
+    }
+    if check_only {
+        return Ok(ReplayStart::Started);
     }
     if dead {
         if let Some(event_id) = event_id {

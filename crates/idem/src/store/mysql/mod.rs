@@ -358,8 +358,9 @@ impl Operations for MySql {
         tables: &Tables,
         id: i64,
         force: bool,
+        check_only: bool,
     ) -> Result<crate::store::ReplayStart, Error> {
-        crate::store::replay::begin(pool, tables, crate::store::parking::Style::MySql, id, force).await
+        crate::store::replay::begin(pool, tables, crate::store::parking::Style::MySql, id, force, check_only).await
     }
 
     async fn prune_batch(

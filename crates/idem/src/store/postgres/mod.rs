@@ -282,8 +282,9 @@ impl Operations for Postgres {
         tables: &Tables,
         id: i64,
         force: bool,
+        check_only: bool,
     ) -> Result<crate::store::ReplayStart, Error> {
-        crate::store::replay::begin(pool, tables, crate::store::parking::Style::Postgres, id, force).await
+        crate::store::replay::begin(pool, tables, crate::store::parking::Style::Postgres, id, force, check_only).await
     }
 
     async fn prune_batch(
