@@ -7,7 +7,9 @@
 
 use std::process::ExitCode;
 
-use crate::{DbArgs, audit, commands, dead_letters, demo, embedded_log, inbox, migrations, outbox, parked, service};
+use crate::{
+    DbArgs, audit, commands, console, dead_letters, demo, embedded_log, inbox, migrations, outbox, parked, service,
+};
 use clap::{Parser, Subcommand};
 
 /// Exactly-once effects over at-least-once message delivery.
@@ -76,6 +78,10 @@ enum Command {
     /// Dead-lettered messages: list them, group them by failure, replay them, discard them into the archive.
     #[command(subcommand)]
     DeadLetters(dead_letters::DeadLetterCommand),
+    /// The operator console: a web page and a JSON API over failure groups, dead letters, parked messages and the
+    /// audit trail, with users, roles and the same replay and discard as `dead-letters` (127.0.0.1:9500 by
+    /// default). `idem console token NAME --role operator` makes a user.
+    Console(console::ConsoleArgs),
     /// Messages parked for delayed retries: list them, make them due now, discard them into the dead letters.
     #[command(subcommand)]
     Parked(parked::ParkedCommand),
@@ -256,6 +262,7 @@ pub fn main() -> ExitCode {
                     commands::markers_convert(&db, period.as_deref(), create_ahead).await
                 }
                 Command::DeadLetters(command) => dead_letters::run(command).await,
+                Command::Console(args) => console::run(args).await,
             }
         },
         hint,

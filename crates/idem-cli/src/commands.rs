@@ -118,6 +118,46 @@ impl BrokerFlags {
     }
 }
 
+/// At most one broker, or none: `idem relay` (none when every destination is a URL; a destination is a topic,
+/// subject, queue's name or URL, and a message's key its partition key, FIFO group or ordering key) and `idem
+/// console` (none: replays are refused).
+#[derive(clap::Args, Debug)]
+pub struct OptionalBrokerFlags {
+    /// The embedded log (its directory).
+    #[arg(long, conflicts_with_all = ["kafka", "nats", "rabbitmq", "sqs", "pubsub"])]
+    pub log_dir: Option<PathBuf>,
+    /// Kafka brokers (host:port).
+    #[arg(long, conflicts_with_all = ["nats", "rabbitmq", "sqs", "pubsub"])]
+    pub kafka: Option<String>,
+    /// A NATS JetStream server (nats://host:port).
+    #[arg(long, conflicts_with_all = ["rabbitmq", "sqs", "pubsub"])]
+    pub nats: Option<String>,
+    /// A RabbitMQ server (amqp://user:password@host:port/vhost).
+    #[arg(long, conflicts_with_all = ["sqs", "pubsub"])]
+    pub rabbitmq: Option<String>,
+    /// Amazon SQS: an SQS-compatible endpoint (http://host:port) or `aws` (the standard AWS configuration's).
+    #[arg(long, conflicts_with = "pubsub")]
+    pub sqs: Option<String>,
+    /// Google Cloud Pub/Sub: the project (the emulator from PUBSUB_EMULATOR_HOST).
+    #[arg(long)]
+    pub pubsub: Option<String>,
+}
+
+impl OptionalBrokerFlags {
+    /// The broker the flags name, if one.
+    pub fn target(self) -> Option<BrokerTarget> {
+        Some(match self {
+            OptionalBrokerFlags { kafka: Some(brokers), .. } => BrokerTarget::Kafka(brokers),
+            OptionalBrokerFlags { nats: Some(url), .. } => BrokerTarget::Nats(url),
+            OptionalBrokerFlags { rabbitmq: Some(url), .. } => BrokerTarget::Rabbitmq(url),
+            OptionalBrokerFlags { sqs: Some(endpoint), .. } => BrokerTarget::Sqs(endpoint),
+            OptionalBrokerFlags { pubsub: Some(project), .. } => BrokerTarget::PubSub(project),
+            OptionalBrokerFlags { log_dir: Some(dir), .. } => BrokerTarget::Log(dir),
+            _ => return None,
+        })
+    }
+}
+
 /// The options of `idem prune`.
 pub struct PruneOptions<'a> {
     /// Only this group's markers (plain layout only).

@@ -5,11 +5,11 @@ use std::process::ExitCode;
 
 use anyhow::bail;
 use clap::Subcommand;
-use idem::dead_letter::groups::{MessageType, fingerprint_of};
-use idem::dead_letter::{Replayed, Safety};
-use idem::embedded::EmbeddedLog;
+use idem::Tables;
+use idem::dead_letter::groups::fingerprint_of;
+use idem::dead_letter::selection::{Chosen, Filter, FilterSpec, Taken, join};
+use idem::dead_letter::{Safety, Tally};
 use idem::store::DeadLetter;
-use idem::{Publisher, Tables};
 
 use crate::DbArgs;
 use crate::audit::{Actor, note};
@@ -134,88 +134,23 @@ pub struct Selection {
     pub message_type: Option<String>,
 }
 
-/// A [`Selection`] checked: the duration and the message type parsed, the fingerprint's form checked.
-struct Filter<'a> {
-    select: &'a Selection,
-    failed_before_ms: Option<i64>,
-    typing: Option<MessageType>,
-    fingerprint: Option<String>,
-}
-
 impl Selection {
-    fn filter(&self) -> anyhow::Result<Filter<'_>> {
-        let failed_before_ms = match &self.older_than {
-            Some(text) => {
-                let age = idem::duration::parse(text).map_err(|e| crate::flag_error("--older-than", e))?;
-                Some(now_ms().saturating_sub(i64::try_from(age.as_millis()).unwrap_or(i64::MAX)))
-            }
-            None => None,
+    /// The selection checked, a wrong value named by its flag.
+    fn filter(&self) -> anyhow::Result<Filter> {
+        let spec = FilterSpec {
+            group: self.group.clone(),
+            matching: self.matching.clone(),
+            fingerprint: self.fingerprint.clone(),
+            older_than: self.older_than.clone(),
+            message_type: self.message_type.clone(),
         };
-        let typing = self
-            .message_type
-            .as_deref()
-            .map(MessageType::parse)
-            .transpose()
-            .map_err(|e| anyhow::anyhow!("--message-type: {e}"))?;
-        let fingerprint = match &self.fingerprint {
-            Some(text) => {
-                let fingerprint = text.trim().to_ascii_lowercase();
-                if fingerprint.len() != 12 || !fingerprint.bytes().all(|b| b.is_ascii_hexdigit()) {
-                    bail!(
-                        "--fingerprint {text}: a fingerprint is 12 hexadecimal digits, as `idem dead-letters groups` \
-                         prints it"
-                    );
-                }
-                Some(fingerprint)
-            }
-            None => None,
-        };
-        Ok(Filter { select: self, failed_before_ms, typing, fingerprint })
-    }
-
-    /// Whether a filter beyond the consumer group is set.
-    fn narrows(&self) -> bool {
-        self.matching.is_some() || self.fingerprint.is_some() || self.older_than.is_some()
+        Filter::parse(spec).map_err(|e| anyhow::anyhow!("--{}: {}", e.field.replace('_', "-"), e.why))
     }
 }
 
-impl Filter<'_> {
-    fn takes(&self, letter: &DeadLetter) -> bool {
-        let s = self.select;
-        s.matching.as_deref().is_none_or(|text| letter.error.contains(text))
-            && self.failed_before_ms.is_none_or(|before| letter.last_failed_at_ms < before)
-            && self.fingerprint.as_deref().is_none_or(|f| fingerprint_of(letter, self.typing.as_ref()) == f)
-    }
-
-    /// The dead letters taken, oldest first, at most `limit`.
-    async fn letters(&self, db: &Db, tables: &Tables, limit: i64) -> anyhow::Result<Vec<DeadLetter>> {
-        let fetch = if self.select.narrows() { i64::MAX } else { limit };
-        let group = self.select.group.as_deref();
-        let letters = with_pool!(db, pool => idem::dead_letter::list(pool, tables, group, fetch).await?);
-        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-        Ok(letters.into_iter().filter(|l| self.takes(l)).take(limit).collect())
-    }
-
-    /// The selection as the audit trail records it.
-    fn describe(&self) -> String {
-        let s = self.select;
-        let parts: Vec<String> = [
-            s.group.as_ref().map(|g| format!("group {g}")),
-            s.matching.as_ref().map(|m| format!("matching {m:?}")),
-            s.fingerprint.as_ref().map(|f| format!("fingerprint {f}")),
-            s.older_than.as_ref().map(|o| format!("older than {o}")),
-            s.message_type.as_ref().map(|t| format!("message type from {t}")),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
-        if parts.is_empty() { "all".to_owned() } else { parts.join(", ") }
-    }
-}
-
-fn now_ms() -> i64 {
-    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    i64::try_from(since_epoch.as_millis()).unwrap_or(i64::MAX)
+/// The dead letters `filter` takes, oldest first, at most `limit`.
+async fn letters(db: &Db, tables: &Tables, filter: &Filter, limit: i64) -> anyhow::Result<Vec<DeadLetter>> {
+    Ok(with_pool!(db, pool => filter.letters(pool, tables, limit).await?))
 }
 
 /// Runs an `idem dead-letters` command.
@@ -226,7 +161,8 @@ pub async fn run(command: DeadLetterCommand) -> anyhow::Result<ExitCode> {
         DeadLetterCommand::Replay { db, to, ids, all, select, force, dry_run, json, actor } => {
             let target = to.target()?;
             let safety = if force { Safety::Forced } else { Safety::Checked };
-            let chosen = Chosen { ids: &ids, all, filter: select.filter()? };
+            let filter = select.filter()?;
+            let chosen = Chosen { ids: &ids, all, filter: &filter };
             let how = Acting { actor: actor.name(), dry_run, json };
             replay(&db, &target, &chosen, safety, &how).await
         }
@@ -234,22 +170,23 @@ pub async fn run(command: DeadLetterCommand) -> anyhow::Result<ExitCode> {
             if reason.trim().is_empty() {
                 bail!("--reason is empty: say why these dead letters are discarded (the archive keeps it)");
             }
-            let chosen = Chosen { ids: &ids, all, filter: select.filter()? };
+            let filter = select.filter()?;
+            let chosen = Chosen { ids: &ids, all, filter: &filter };
             discard(&db, &chosen, &reason, &Acting { actor: actor.name(), dry_run, json }).await
         }
         DeadLetterCommand::Archived { db, group, limit, json } => archived(&db, group.as_deref(), limit, json).await,
     }
 }
 
-async fn list(args: &DbArgs, filter: &Filter<'_>, limit: i64, json: bool) -> anyhow::Result<ExitCode> {
+async fn list(args: &DbArgs, filter: &Filter, limit: i64, json: bool) -> anyhow::Result<ExitCode> {
     let (db, tables) = Db::open_with(args, "dead_letters").await?;
-    let letters = filter.letters(&db, &tables, limit).await?;
+    let letters = letters(&db, &tables, filter, limit).await?;
     if json {
         let rows: Vec<serde_json::Value> = letters
             .iter()
             .map(|l| {
                 let mut row = serde_json::to_value(l).unwrap_or_default();
-                row["fingerprint"] = fingerprint_of(l, filter.typing.as_ref()).into();
+                row["fingerprint"] = fingerprint_of(l, filter.typing()).into();
                 row
             })
             .collect();
@@ -274,24 +211,12 @@ async fn list(args: &DbArgs, filter: &Filter<'_>, limit: i64, json: bool) -> any
     Ok(ExitCode::SUCCESS)
 }
 
-async fn groups(args: &DbArgs, filter: &Filter<'_>, json: bool) -> anyhow::Result<ExitCode> {
+async fn groups(args: &DbArgs, filter: &Filter, json: bool) -> anyhow::Result<ExitCode> {
     let (db, tables) = Db::open_with(args, "dead_letters").await?;
-    let letters = filter.letters(&db, &tables, i64::MAX).await?;
-    let groups = idem::dead_letter::groups::group(&letters, filter.typing.as_ref());
+    let letters = letters(&db, &tables, filter, i64::MAX).await?;
+    let groups = idem::dead_letter::groups::group(&letters, filter.typing());
     if json {
-        let rows: Vec<serde_json::Value> = groups
-            .iter()
-            .map(|g| {
-                serde_json::json!({
-                    "fingerprint": g.fingerprint, "consumer_group": g.consumer_group,
-                    "message_type": g.message_type, "pattern": g.pattern, "count": g.count,
-                    "first_failed_at": idem::store::rfc3339_from_ms(g.first_failed_at_ms),
-                    "last_failed_at": idem::store::rfc3339_from_ms(g.last_failed_at_ms), "sample": g.sample,
-                    "ids": g.ids,
-                })
-            })
-            .collect();
-        println!("{}", serde_json::to_string(&rows)?);
+        println!("{}", serde_json::to_string(&groups)?);
     } else if groups.is_empty() {
         println!("no dead letters");
     } else {
@@ -311,20 +236,13 @@ async fn groups(args: &DbArgs, filter: &Filter<'_>, json: bool) -> anyhow::Resul
                 g.pattern
             );
         }
-        let typing = filter.select.message_type.as_ref().map(|t| format!(" --message-type {t}")).unwrap_or_default();
+        let typing = filter.spec().message_type.as_ref().map(|t| format!(" --message-type {t}")).unwrap_or_default();
         println!(
             "replay a group: idem dead-letters replay --fingerprint F{typing} (--log-dir DIR | --kafka BROKERS | …); \
              discard one: idem dead-letters discard --fingerprint F{typing} --reason TEXT"
         );
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// The dead letters an acting command names: ids, or `--all` of what the filters take.
-struct Chosen<'a> {
-    ids: &'a [i64],
-    all: bool,
-    filter: Filter<'a>,
 }
 
 /// Who runs an acting command, and how.
@@ -334,113 +252,25 @@ struct Acting {
     json: bool,
 }
 
-impl Chosen<'_> {
-    /// The letters, every id checked; refused, naming why, when nothing names them or an id is not there.
-    async fn letters(&self, db: &Db, tables: &Tables, verb: &str) -> anyhow::Result<Vec<DeadLetter>> {
-        let narrowed = self.filter.select.narrows();
-        if self.ids.is_empty() && !self.all && !narrowed {
-            bail!(
-                "name the dead letters to {verb} (ids from `idem dead-letters list`), or pass --all, --matching TEXT, \
-                 --fingerprint F (from `idem dead-letters groups`) or --older-than DURATION"
-            );
-        }
-        let every = self.ids.is_empty();
-        let letters: Vec<DeadLetter> = self
-            .filter
-            .letters(db, tables, i64::MAX)
-            .await?
-            .into_iter()
-            .filter(|l| every || self.ids.contains(&l.id))
-            .collect();
-        for id in self.ids {
-            if !letters.iter().any(|l| l.id == *id) {
-                bail!("{}", self.why_not_taken(db, tables, *id).await?);
+/// The letters `chosen` names; a refusal is written to the audit trail (unless a dry run) and returned.
+async fn taken(
+    db: &Db,
+    tables: &Tables,
+    chosen: &Chosen<'_>,
+    how: &Acting,
+    verb: &str,
+    subjects: String,
+) -> anyhow::Result<Vec<DeadLetter>> {
+    match with_pool!(db, pool => chosen.letters(pool, tables, verb).await?) {
+        Taken::Letters(letters) => Ok(letters),
+        Taken::Refused(why) => {
+            if !how.dry_run {
+                let action = format!("dead-letters {verb}");
+                note(db, tables, &how.actor, &action, subjects, &Err::<(), _>(&why), 0).await;
             }
+            bail!("{why}")
         }
-        if let (Some(fingerprint), true) = (&self.filter.fingerprint, letters.is_empty()) {
-            bail!("{}", self.why_no_group(db, tables, fingerprint).await?);
-        }
-        Ok(letters)
     }
-
-    /// Why dead letter `id` is not among those taken: the filters leave it out, it was discarded (by whom, when,
-    /// why), or there is no such letter.
-    async fn why_not_taken(&self, db: &Db, tables: &Tables, id: i64) -> anyhow::Result<String> {
-        let group = self.filter.select.group.as_deref();
-        let all = with_pool!(db, pool => idem::dead_letter::list(pool, tables, group, i64::MAX).await?);
-        if all.iter().any(|l| l.id == id) {
-            return Ok(format!(
-                "dead letter {id} is not among those the filters take ({}); drop the filters to name it by id",
-                self.filter.describe()
-            ));
-        }
-        let archived = with_pool!(db, pool => idem::dead_letter::archived_letter(pool, tables, id).await);
-        if let Ok(Some(a)) = archived {
-            return Ok(format!(
-                "dead letter {id} was discarded by {} at {} ({}); see `idem dead-letters archived`",
-                a.discarded_by,
-                idem::store::rfc3339_from_ms(a.discarded_at_ms),
-                a.reason
-            ));
-        }
-        Ok(match group {
-            Some(group) => format!("no dead letter of group {group} has id {id}; see `idem dead-letters list`"),
-            None => format!("no dead letter has id {id} (replayed since?); see `idem dead-letters list`"),
-        })
-    }
-
-    /// Why failure group `fingerprint` selects nothing: the other filters leave its letters out, they were all
-    /// discarded, or the fingerprint was taken with another message-type setting (or is gone).
-    async fn why_no_group(&self, db: &Db, tables: &Tables, fingerprint: &str) -> anyhow::Result<String> {
-        let typing = self.filter.typing.as_ref();
-        let group = self.filter.select.group.as_deref();
-        let all = with_pool!(db, pool => idem::dead_letter::list(pool, tables, group, i64::MAX).await?);
-        let of_group = all.iter().filter(|l| fingerprint_of(l, typing) == fingerprint).count();
-        if of_group > 0 {
-            return Ok(format!(
-                "failure group {fingerprint} has {of_group} dead letter(s), but the other filters ({}) take none of \
-                 them",
-                self.filter.describe()
-            ));
-        }
-        let archived = with_pool!(db, pool => idem::dead_letter::archived(pool, tables, group, 10_000).await);
-        let discarded: Vec<_> = archived
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|a| fingerprint_of(&a.letter, typing) == fingerprint)
-            .collect();
-        if let Some(last) = discarded.first() {
-            return Ok(format!(
-                "failure group {fingerprint} has no dead letter left: {} of its letters were discarded, the last by \
-                 {} at {}; see `idem dead-letters archived`",
-                discarded.len(),
-                last.discarded_by,
-                idem::store::rfc3339_from_ms(last.discarded_at_ms)
-            ));
-        }
-        let setting = match &self.filter.select.message_type {
-            Some(t) => format!("with --message-type {t}"),
-            None => "without --message-type".to_owned(),
-        };
-        Ok(format!(
-            "no dead letter has fingerprint {fingerprint} {setting}: a fingerprint depends on the message-type \
-             setting, so take it from `idem dead-letters groups` run with the same --message-type; or its letters \
-             were replayed since"
-        ))
-    }
-
-    /// What the audit trail records as the subjects: the ids named, or the filters and the ids they took.
-    fn subjects(&self, taken: &[i64]) -> String {
-        if !self.ids.is_empty() {
-            return format!("ids {}", join(self.ids));
-        }
-        let filters = self.filter.describe();
-        if taken.is_empty() { filters } else { format!("{filters}: ids {}", join(taken)) }
-    }
-}
-
-fn join(ids: &[i64]) -> String {
-    ids.iter().map(i64::to_string).collect::<Vec<_>>().join(", ")
 }
 
 async fn replay(
@@ -452,42 +282,25 @@ async fn replay(
 ) -> anyhow::Result<ExitCode> {
     let (db, tables) = Db::open_with(args, "dead_letters").await?;
     let forced = if safety == Safety::Forced { ", forced" } else { "" };
-    let letters = match chosen.letters(&db, &tables, "replay").await {
-        Ok(letters) => letters,
-        Err(refused) => {
-            if !how.dry_run {
-                let subjects = format!("{}{forced}", chosen.subjects(&[]));
-                note(&db, &tables, &how.actor, "dead-letters replay", subjects, &Err::<(), _>(&refused), 0).await;
-            }
-            return Err(refused);
-        }
-    };
+    let refused_subjects = format!("{}{forced}", chosen.subjects(&[]));
+    let letters = taken(&db, &tables, chosen, how, "replay", refused_subjects).await?;
     let tally = if how.dry_run {
-        check_all(&db, &tables, &letters, safety).await
+        with_pool!(&db, pool => idem::dead_letter::check_each(pool, &tables, &letters, safety).await)
     } else {
-        replay_to(&db, &tables, target, &letters, safety).await
-    };
-    if !how.dry_run {
+        let tally = replay_to(&db, &tables, target, &letters, safety).await;
         let taken: Vec<i64> = letters.iter().map(|l| l.id).collect();
         let subjects = format!("{}{forced}", chosen.subjects(&taken));
         let count = tally.as_ref().map_or(0, |t| t.replayed.len() as i64);
         let outcome = match &tally {
-            Ok(Tally { stopped_by: Some(error), replayed, .. }) => {
-                Err(anyhow::anyhow!("stopped after {} replayed: {error:#}", replayed.len()))
-            }
-            Ok(t) if !t.refused.is_empty() => Err(anyhow::anyhow!(
-                "ids {} refused: a replay could apply their effect twice",
-                join(&t.refused.iter().map(|r| r.0).collect::<Vec<_>>())
-            )),
-            Ok(_) => Ok(()),
-            Err(error) => Err(anyhow::anyhow!("{error:#}")),
+            Ok(tally) => tally.outcome(),
+            Err(error) => Err(format!("{error:#}")),
         };
         note(&db, &tables, &how.actor, "dead-letters replay", subjects, &outcome, count).await;
-    }
-    let mut tally = tally?;
-    tally.report(how);
-    if let Some(error) = tally.stopped_by.take() {
-        return Err(error.context(format!("the replay stopped after {} dead letter(s)", tally.replayed.len())));
+        tally?
+    };
+    report(&tally, how);
+    if let Some(error) = &tally.stopped_by {
+        bail!("the replay stopped after {} dead letter(s): {error}", tally.replayed.len());
     }
     // A dry run did what it was asked (its report says which would be refused); a replay that refused some fails.
     if !tally.refused.is_empty() && !how.dry_run {
@@ -496,80 +309,26 @@ async fn replay(
     Ok(ExitCode::SUCCESS)
 }
 
-/// What a replay did (or, dry, would do), up to the error that stopped it if one did.
-#[derive(Default)]
-struct Tally {
-    replayed: Vec<i64>,
-    refused: Vec<(i64, idem::dead_letter::ReplayRisk, String)>,
-    gone: Vec<i64>,
-    stopped_by: Option<anyhow::Error>,
-}
-
-impl Tally {
-    fn count(&mut self, letter: &DeadLetter, replayed: Replayed) {
-        match replayed {
-            Replayed::Published => self.replayed.push(letter.id),
-            Replayed::Gone => self.gone.push(letter.id),
-            Replayed::Refused(risk) => self.refused.push((letter.id, risk, risk.explain(letter))),
-        }
+/// Prints what a replay did: a line per letter, or one JSON object.
+fn report(tally: &Tally, how: &Acting) {
+    if how.json {
+        println!("{}", tally.json(how.dry_run));
+        return;
     }
-
-    /// Prints what was done: a line per letter, or one JSON object.
-    fn report(&self, how: &Acting) {
-        if how.json {
-            let refused: Vec<serde_json::Value> = self
-                .refused
-                .iter()
-                .map(|(id, risk, why)| {
-                    let risk = match risk {
-                        idem::dead_letter::ReplayRisk::MarkersPruned => "markers_pruned",
-                        idem::dead_letter::ReplayRisk::AppliedSince => "applied_since",
-                    };
-                    serde_json::json!({ "id": id, "risk": risk, "why": why })
-                })
-                .collect();
-            let done = if how.dry_run { "would_replay" } else { "replayed" };
-            println!(
-                "{}",
-                serde_json::json!({
-                    "dry_run": how.dry_run, done: self.replayed, "refused": refused, "gone": self.gone,
-                    "stopped_by": self.stopped_by.as_ref().map(|e| format!("{e:#}")),
-                })
-            );
-            return;
-        }
-        let (verb, summary) =
-            if how.dry_run { ("would replay", "would be replayed") } else { ("replayed", "replayed") };
-        for id in &self.replayed {
-            println!("{verb} {id}");
-        }
-        for id in &self.gone {
-            println!("{id}: gone (replayed or discarded meanwhile)");
-        }
-        for (_, _, why) in &self.refused {
-            eprintln!("refused: {why}");
-        }
-        println!("{} dead letter(s) {summary}", self.replayed.len());
-        if !self.refused.is_empty() {
-            eprintln!("{} dead letter(s) refused (see above); nothing was published for them", self.refused.len());
-        }
+    let (verb, summary) = if how.dry_run { ("would replay", "would be replayed") } else { ("replayed", "replayed") };
+    for id in &tally.replayed {
+        println!("{verb} {id}");
     }
-}
-
-/// A dry run: what a replay of each letter would do now.
-async fn check_all(db: &Db, tables: &Tables, letters: &[DeadLetter], safety: Safety) -> anyhow::Result<Tally> {
-    let mut tally = Tally::default();
-    for letter in letters {
-        let checked = with_pool!(db, pool => idem::dead_letter::check_replay(pool, tables, letter, safety).await);
-        match checked {
-            Ok(checked) => tally.count(letter, checked),
-            Err(error) => {
-                tally.stopped_by = Some(anyhow::anyhow!("dead letter {}: {error}", letter.id));
-                break;
-            }
-        }
+    for id in &tally.gone {
+        println!("{id}: gone (replayed or discarded meanwhile)");
     }
-    Ok(tally)
+    for (_, _, why) in &tally.refused {
+        eprintln!("refused: {why}");
+    }
+    println!("{} dead letter(s) {summary}", tally.replayed.len());
+    if !tally.refused.is_empty() {
+        eprintln!("{} dead letter(s) refused (see above); nothing was published for them", tally.refused.len());
+    }
 }
 
 /// Replays `letters` through the broker `target` names.
@@ -580,108 +339,15 @@ async fn replay_to(
     letters: &[DeadLetter],
     safety: Safety,
 ) -> anyhow::Result<Tally> {
-    match target {
-        BrokerTarget::Log(dir) => {
-            if !dir.join("topics").is_dir() {
-                bail!("--log-dir {}: there is no embedded log there (it holds a topics/ folder)", dir.display());
-            }
-            replay_through(db, tables, &EmbeddedLog::open(dir)?.producer(), letters, safety).await
-        }
-        BrokerTarget::Kafka(brokers) => {
-            replay_through(db, tables, &idem::kafka::KafkaProducer::new(brokers)?, letters, safety).await
-        }
-        BrokerTarget::Nats(url) => replay_nats(db, tables, url, letters, safety).await,
-        BrokerTarget::Rabbitmq(url) => replay_rabbitmq(db, tables, url, letters, safety).await,
-        BrokerTarget::Sqs(endpoint) => {
-            replay_through(db, tables, &crate::sqs::producer(endpoint).await?.0, letters, safety).await
-        }
-        BrokerTarget::PubSub(project) => replay_pubsub(db, tables, project, letters, safety).await,
-    }
-}
-
-#[cfg(feature = "nats")]
-async fn replay_nats(
-    db: &Db,
-    tables: &Tables,
-    url: &str,
-    letters: &[DeadLetter],
-    safety: Safety,
-) -> anyhow::Result<Tally> {
-    replay_through(db, tables, &idem::nats::NatsProducer::connect(url).await?, letters, safety).await
-}
-
-#[cfg(not(feature = "nats"))]
-async fn replay_nats(_: &Db, _: &Tables, _: &str, _: &[DeadLetter], _: Safety) -> anyhow::Result<Tally> {
-    bail!("--nats: this idem is built without the `nats` feature")
-}
-
-#[cfg(feature = "rabbitmq")]
-async fn replay_rabbitmq(
-    db: &Db,
-    tables: &Tables,
-    url: &str,
-    letters: &[DeadLetter],
-    safety: Safety,
-) -> anyhow::Result<Tally> {
-    replay_through(db, tables, &idem::rabbitmq::RabbitProducer::connect(url).await?, letters, safety).await
-}
-
-#[cfg(not(feature = "rabbitmq"))]
-async fn replay_rabbitmq(_: &Db, _: &Tables, _: &str, _: &[DeadLetter], _: Safety) -> anyhow::Result<Tally> {
-    bail!("--rabbitmq: this idem is built without the `rabbitmq` feature")
-}
-
-#[cfg(feature = "pubsub")]
-async fn replay_pubsub(
-    db: &Db,
-    tables: &Tables,
-    project: &str,
-    letters: &[DeadLetter],
-    safety: Safety,
-) -> anyhow::Result<Tally> {
-    let producer = idem::pubsub::PubSubProducer::connect(Some(project), None).await?;
-    replay_through(db, tables, &producer, letters, safety).await
-}
-
-#[cfg(not(feature = "pubsub"))]
-async fn replay_pubsub(_: &Db, _: &Tables, _: &str, _: &[DeadLetter], _: Safety) -> anyhow::Result<Tally> {
-    bail!("--pubsub: this idem is built without the `pubsub` feature")
-}
-
-async fn replay_through<P: Publisher>(
-    db: &Db,
-    tables: &Tables,
-    publisher: &P,
-    letters: &[DeadLetter],
-    safety: Safety,
-) -> anyhow::Result<Tally> {
-    let mut tally = Tally::default();
-    for letter in letters {
-        let replayed = with_pool!(db, pool => idem::dead_letter::replay(pool, tables, publisher, letter, safety).await);
-        match replayed {
-            Ok(replayed) => tally.count(letter, replayed),
-            Err(error) => {
-                tally.stopped_by = Some(anyhow::anyhow!("dead letter {}: {error}", letter.id));
-                break;
-            }
-        }
-    }
-    Ok(tally)
+    let publisher = target.publisher().await?;
+    Ok(with_pool!(db, pool => idem::dead_letter::replay_each(pool, tables, &publisher, letters, safety).await))
 }
 
 async fn discard(args: &DbArgs, chosen: &Chosen<'_>, reason: &str, how: &Acting) -> anyhow::Result<ExitCode> {
     let (db, tables) = Db::open_with(args, "dead_letter_archive").await?;
     let actor = how.actor.as_str();
-    let letters = match chosen.letters(&db, &tables, "discard").await {
-        Ok(letters) => letters,
-        Err(refused) => {
-            if !how.dry_run {
-                let subjects = format!("{}, reason: {reason}", chosen.subjects(&[]));
-                note(&db, &tables, actor, "dead-letters discard", subjects, &Err::<(), _>(&refused), 0).await;
-            }
-            return Err(refused);
-        }
-    };
+    let refused_subjects = format!("{}, reason: {reason}", chosen.subjects(&[]));
+    let letters = taken(&db, &tables, chosen, how, "discard", refused_subjects).await?;
     let taken: Vec<i64> = letters.iter().map(|l| l.id).collect();
     if how.dry_run {
         if how.json {

@@ -4,6 +4,7 @@
 pub mod audit;
 pub mod cli;
 pub mod commands;
+pub mod console;
 pub mod db;
 pub mod dead_letters;
 pub mod demo;
@@ -13,6 +14,7 @@ pub mod logging;
 pub mod migrations;
 pub mod outbox;
 pub mod parked;
+pub mod publishers;
 pub mod pubsub;
 pub mod service;
 pub mod signals;

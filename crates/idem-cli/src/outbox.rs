@@ -9,7 +9,7 @@ use idem::Tables;
 use idem::embedded::EmbeddedLog;
 use idem::outbox::{Delivery, HttpDelivery, HttpOr, OutboxStore, Publish, Relay, RelayConfig};
 
-use crate::commands::BrokerTarget;
+use crate::commands::{BrokerTarget, OptionalBrokerFlags};
 use crate::db::{self, Db};
 use crate::{DbArgs, with_pool};
 
@@ -22,7 +22,7 @@ pub struct RelayArgs {
     /// topic is created, with one partition, when missing). Destinations that are URLs (`http://…`, `https://…`)
     /// are HTTP requests, with or without a broker.
     #[command(flatten)]
-    to: RelayTo,
+    to: OptionalBrokerFlags,
     /// The relay's name (its dead letters' consumer group is `outbox:<name>`).
     #[arg(long, default_value = "relay")]
     name: String,
@@ -86,31 +86,6 @@ pub enum OutboxCommand {
     },
 }
 
-/// The broker of `idem relay`: at most one; none when every destination is a URL.
-#[derive(Args, Debug)]
-pub struct RelayTo {
-    /// The embedded log (its directory).
-    #[arg(long, conflicts_with_all = ["kafka", "nats", "rabbitmq", "sqs", "pubsub"])]
-    log_dir: Option<std::path::PathBuf>,
-    /// Kafka brokers (host:port).
-    #[arg(long, conflicts_with_all = ["nats", "rabbitmq", "sqs", "pubsub"])]
-    kafka: Option<String>,
-    /// A NATS JetStream server (nats://host:port).
-    #[arg(long, conflicts_with_all = ["rabbitmq", "sqs", "pubsub"])]
-    nats: Option<String>,
-    /// A RabbitMQ server (amqp://user:password@host:port/vhost).
-    #[arg(long, conflicts_with_all = ["sqs", "pubsub"])]
-    rabbitmq: Option<String>,
-    /// Amazon SQS: an SQS-compatible endpoint (http://host:port) or `aws`; a destination is a queue's name or
-    /// URL, and a message's key its FIFO message group.
-    #[arg(long, conflicts_with = "pubsub")]
-    sqs: Option<String>,
-    /// Google Cloud Pub/Sub: the project (the emulator from PUBSUB_EMULATOR_HOST); a destination is a topic's
-    /// id, and a message's key its ordering key.
-    #[arg(long)]
-    pubsub: Option<String>,
-}
-
 /// What a relay without a broker does with a destination that is not a URL: it stays in the outbox, its error
 /// naming the fix.
 struct NoBroker;
@@ -152,15 +127,7 @@ pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
     }
     let shutdown = signals.received();
     let http = HttpDelivery::default();
-    let target = match args.to {
-        RelayTo { kafka: Some(brokers), .. } => Some(BrokerTarget::Kafka(brokers)),
-        RelayTo { nats: Some(url), .. } => Some(BrokerTarget::Nats(url)),
-        RelayTo { rabbitmq: Some(url), .. } => Some(BrokerTarget::Rabbitmq(url)),
-        RelayTo { sqs: Some(endpoint), .. } => Some(BrokerTarget::Sqs(endpoint)),
-        RelayTo { pubsub: Some(project), .. } => Some(BrokerTarget::PubSub(project)),
-        RelayTo { log_dir: Some(dir), .. } => Some(BrokerTarget::Log(dir)),
-        _ => None,
-    };
+    let target = args.to.target();
     let stats = match target {
         Some(BrokerTarget::Kafka(brokers)) => {
             let producer = HttpOr(http, kafka_producer(&brokers)?);

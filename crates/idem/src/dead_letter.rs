@@ -16,6 +16,7 @@
 //! delivered to them the first time), so a replay re-runs one group's handler only.
 
 pub mod groups;
+pub mod selection;
 
 use crate::error::Error;
 use crate::source::Publisher;
@@ -123,6 +124,107 @@ pub async fn check_replay<DB: Backend>(
         ReplayStart::Gone => Replayed::Gone,
         ReplayStart::Refused(risk) => Replayed::Refused(risk),
     })
+}
+
+/// What a replay of several letters did (or, checked only, would do), up to the error that stopped it if one did.
+#[derive(Debug, Default)]
+pub struct Tally {
+    /// Published (or, checked only, would be).
+    pub replayed: Vec<i64>,
+    /// Refused: the id, the risk, and why in words with what to do.
+    pub refused: Vec<(i64, ReplayRisk, String)>,
+    /// Gone meanwhile (replayed or discarded by someone else).
+    pub gone: Vec<i64>,
+    /// The error that stopped the run, naming the letter.
+    pub stopped_by: Option<String>,
+}
+
+impl Tally {
+    fn count(&mut self, letter: &DeadLetter, replayed: Replayed) {
+        match replayed {
+            Replayed::Published => self.replayed.push(letter.id),
+            Replayed::Gone => self.gone.push(letter.id),
+            Replayed::Refused(risk) => self.refused.push((letter.id, risk, risk.explain(letter))),
+        }
+    }
+
+    /// The tally as one JSON object: `replayed` (`would_replay` when `dry_run`), `refused` (`id`, `risk`, `why`),
+    /// `gone`, `stopped_by`.
+    pub fn json(&self, dry_run: bool) -> serde_json::Value {
+        let refused: Vec<serde_json::Value> = self
+            .refused
+            .iter()
+            .map(|(id, risk, why)| serde_json::json!({ "id": id, "risk": risk.as_str(), "why": why }))
+            .collect();
+        let done = if dry_run { "would_replay" } else { "replayed" };
+        serde_json::json!({
+            "dry_run": dry_run, done: self.replayed, "refused": refused, "gone": self.gone,
+            "stopped_by": self.stopped_by,
+        })
+    }
+
+    /// How it ended, as the audit trail records it: `Ok` or what went wrong.
+    pub fn outcome(&self) -> Result<(), String> {
+        if let Some(error) = &self.stopped_by {
+            return Err(format!("stopped after {} replayed: {error}", self.replayed.len()));
+        }
+        if !self.refused.is_empty() {
+            let ids: Vec<i64> = self.refused.iter().map(|r| r.0).collect();
+            return Err(format!("ids {} refused: a replay could apply their effect twice", selection::join(&ids)));
+        }
+        Ok(())
+    }
+}
+
+impl ReplayRisk {
+    /// The risk's name in reports: `markers_pruned`, `applied_since`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReplayRisk::MarkersPruned => "markers_pruned",
+            ReplayRisk::AppliedSince => "applied_since",
+        }
+    }
+}
+
+/// Replays `letters` in order through `publisher`; the first error stops the run (see [`Tally::stopped_by`]).
+pub async fn replay_each<DB: Backend, P: Publisher>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    publisher: &P,
+    letters: &[DeadLetter],
+    safety: Safety,
+) -> Tally {
+    let mut tally = Tally::default();
+    for letter in letters {
+        match replay(pool, tables, publisher, letter, safety).await {
+            Ok(replayed) => tally.count(letter, replayed),
+            Err(error) => {
+                tally.stopped_by = Some(format!("dead letter {}: {error}", letter.id));
+                break;
+            }
+        }
+    }
+    tally
+}
+
+/// What [`replay_each`] would do now, changing nothing (a dry run).
+pub async fn check_each<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    letters: &[DeadLetter],
+    safety: Safety,
+) -> Tally {
+    let mut tally = Tally::default();
+    for letter in letters {
+        match check_replay(pool, tables, letter, safety).await {
+            Ok(replayed) => tally.count(letter, replayed),
+            Err(error) => {
+                tally.stopped_by = Some(format!("dead letter {}: {error}", letter.id));
+                break;
+            }
+        }
+    }
+    tally
 }
 
 /// An id-reuse dead letter cannot be replayed under its id.

@@ -87,6 +87,8 @@ pub mod dead_letter;
 pub mod delayed_retry;
 pub mod duration;
 pub use brokers::embedded;
+#[cfg(feature = "console")]
+pub mod console;
 pub mod engine;
 pub mod error;
 pub mod fault;

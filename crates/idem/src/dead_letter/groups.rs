@@ -141,9 +141,11 @@ pub struct FailureGroup {
     pub pattern: String,
     /// How many dead letters.
     pub count: usize,
-    /// When the first of them failed first (milliseconds since the epoch).
+    /// When the first of them failed first (milliseconds since the epoch; RFC 3339 in JSON).
+    #[serde(rename = "first_failed_at", serialize_with = "crate::store::rfc3339")]
     pub first_failed_at_ms: i64,
     /// When the last of them failed last.
+    #[serde(rename = "last_failed_at", serialize_with = "crate::store::rfc3339")]
     pub last_failed_at_ms: i64,
     /// The reason of the most recent one, as it was.
     pub sample: String,

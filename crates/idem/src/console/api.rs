@@ -1,0 +1,386 @@
+//! The console's JSON API, under `/api/v1/`: every request with `Authorization: Bearer TOKEN`; reads for viewers,
+//! actions for operators. Errors are `{"error": "…"}` with the status that says whose fault it is.
+//!
+//! * `GET whoami`: the user and role.
+//! * `GET failure-groups?group=&matching=&fingerprint=&older_than=&message_type=`: the groups, largest first.
+//! * `GET dead-letters?…filters…&after=ID&limit=N`: dead letters oldest first, a page at a time (`next_after`).
+//! * `GET dead-letters/{id}`: one, with its headers and (when shown) its payload.
+//! * `POST dead-letters/replay`: `{"ids": [..]}` or `{"all": true, …filters}`, `force`, `dry_run`.
+//! * `POST dead-letters/discard`: the same selection and `reason`, `dry_run`.
+//! * `GET parked?group=`, `GET audit?limit=`.
+//!
+//! An action names its letters by id (the page's confirmation does): a letter another operator replayed or
+//! discarded meanwhile refuses the whole action, naming who and when, and nothing is touched.
+
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+
+use super::{Console, Role, User};
+use crate::dead_letter::selection::{Chosen, Filter, FilterSpec, Taken};
+use crate::dead_letter::{Safety, Tally};
+use crate::source::Publisher;
+use crate::store::{Backend, DeadLetter};
+
+/// `{"error": why}` with `status`.
+pub fn error(status: StatusCode, why: &str) -> Response {
+    (status, Json(serde_json::json!({ "error": why }))).into_response()
+}
+
+fn database(error: &crate::Error) -> Response {
+    error_response(&format!("the database did not answer: {error}; try again"))
+}
+
+fn error_response(why: &str) -> Response {
+    error(StatusCode::SERVICE_UNAVAILABLE, why)
+}
+
+/// The query of the dead-letter list: the filters, and where the page starts.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct Page {
+    /// The filters.
+    #[serde(flatten)]
+    pub filter: FilterSpec,
+    /// Only letters with a larger id (the previous page's `next_after`).
+    pub after: Option<i64>,
+    /// At most this many (default 50, at most 500).
+    pub limit: Option<i64>,
+}
+
+/// An action's selection and options, as the API's body or the page's form gives them.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct ActionRequest {
+    /// Dead-letter ids.
+    pub ids: Vec<i64>,
+    /// Every letter the filters take (needed without ids and without a narrowing filter).
+    pub all: bool,
+    /// The filters.
+    #[serde(flatten)]
+    pub filter: FilterSpec,
+    /// Replay: accept letters older than the markers kept.
+    pub force: bool,
+    /// Say what would happen; change nothing, write no audit entry.
+    pub dry_run: bool,
+    /// Discard: why (kept in the archive and the audit trail).
+    pub reason: Option<String>,
+}
+
+/// What an action did, or why it did nothing.
+pub enum Acted {
+    /// A replay's (or its dry run's) tally.
+    Replayed(Tally),
+    /// A discard.
+    Discarded {
+        /// The ids discarded (or, dry, that would be).
+        ids: Vec<i64>,
+        /// Those left: under replay or gone meanwhile.
+        left: Vec<i64>,
+    },
+}
+
+impl Acted {
+    /// The result as the API answers it.
+    pub fn json(&self, dry_run: bool) -> serde_json::Value {
+        match self {
+            Acted::Replayed(tally) => tally.json(dry_run),
+            Acted::Discarded { ids, left } if dry_run => {
+                serde_json::json!({ "dry_run": true, "would_discard": ids, "left": left })
+            }
+            Acted::Discarded { ids, left } => serde_json::json!({ "dry_run": false, "discarded": ids, "left": left }),
+        }
+    }
+}
+
+/// Why an action did nothing: the status and the reason.
+pub type Refusal = (StatusCode, String);
+
+impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
+    /// The filter, its fields checked and the console's message-type setting applied when the request has none.
+    pub(crate) fn filter(&self, mut spec: FilterSpec) -> Result<Filter, Refusal> {
+        if spec.message_type.is_none() {
+            spec.message_type.clone_from(&self.config.message_type);
+        }
+        Filter::parse(spec).map_err(|e| (StatusCode::BAD_REQUEST, e.to_string()))
+    }
+
+    /// Replays or discards (`action`) what `request` selects, as `user`; writes the audit trail unless a dry run.
+    pub(crate) async fn act(&self, user: &User, action: &str, request: &ActionRequest) -> Result<Acted, Refusal> {
+        let filter = self.filter(request.filter.clone())?;
+        let chosen = Chosen { ids: &request.ids, all: request.all, filter: &filter };
+        let (verb, audit_action) = match action {
+            "replay" => ("replay", "dead-letters replay"),
+            "discard" => ("discard", "dead-letters discard"),
+            other => return Err((StatusCode::NOT_FOUND, format!("no action `{other}`: replay or discard"))),
+        };
+        let reason = request.reason.as_deref().map(str::trim).unwrap_or_default();
+        if verb == "discard" && reason.is_empty() {
+            return Err((StatusCode::BAD_REQUEST, "reason: say why these dead letters are discarded".into()));
+        }
+        if verb == "replay" && self.publisher.is_none() && !request.dry_run {
+            return Err((
+                StatusCode::CONFLICT,
+                "this console has no broker to replay to: start it with one (idem console --log-dir DIR | --kafka \
+                 BROKERS | …)"
+                    .into(),
+            ));
+        }
+        let forced = if request.force && verb == "replay" { ", forced" } else { "" };
+        let with_reason = if verb == "discard" { format!(", reason: {reason}") } else { String::new() };
+        let taken = chosen.letters(&self.pool, &self.tables, verb).await.map_err(|e| {
+            (StatusCode::SERVICE_UNAVAILABLE, format!("the database did not answer: {e}; nothing was done"))
+        })?;
+        let letters = match taken {
+            Taken::Letters(letters) => letters,
+            Taken::Refused(why) => {
+                if !request.dry_run {
+                    let subjects = format!("{}{forced}{with_reason}", chosen.subjects(&[]));
+                    self.audit(user, audit_action, subjects, 0, &Err(why.clone())).await;
+                }
+                return Err((StatusCode::CONFLICT, why));
+            }
+        };
+        let ids: Vec<i64> = letters.iter().map(|l| l.id).collect();
+        let subjects = format!("{}{forced}{with_reason}", chosen.subjects(&ids));
+        let safety = if request.force { Safety::Forced } else { Safety::Checked };
+        match (verb, request.dry_run, &self.publisher) {
+            ("replay", true, _) => {
+                Ok(Acted::Replayed(crate::dead_letter::check_each(&self.pool, &self.tables, &letters, safety).await))
+            }
+            ("replay", false, Some(publisher)) => {
+                let tally =
+                    crate::dead_letter::replay_each(&self.pool, &self.tables, publisher, &letters, safety).await;
+                self.audit(user, audit_action, subjects, tally.replayed.len(), &tally.outcome()).await;
+                Ok(Acted::Replayed(tally))
+            }
+            (_, true, _) => Ok(Acted::Discarded { ids, left: Vec::new() }),
+            _ => {
+                let discarded =
+                    crate::dead_letter::discard(&self.pool, &self.tables, &letters, &user.name, reason).await;
+                let outcome = discarded.as_ref().map(|_| ()).map_err(ToString::to_string);
+                let count = discarded.as_ref().map_or(0, Vec::len);
+                self.audit(user, audit_action, subjects, count, &outcome).await;
+                let discarded = discarded.map_err(|e| (StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
+                let left = ids.into_iter().filter(|id| !discarded.contains(id)).collect();
+                Ok(Acted::Discarded { ids: discarded, left })
+            }
+        }
+    }
+
+    /// A dead letter as the console shows it: its payload only when payloads are shown, its headers readable.
+    pub(crate) fn letter_json(&self, letter: &DeadLetter) -> serde_json::Value {
+        let mut value = serde_json::to_value(letter).unwrap_or_default();
+        let typing =
+            self.config.message_type.as_deref().and_then(|t| crate::dead_letter::groups::MessageType::parse(t).ok());
+        value["fingerprint"] = crate::dead_letter::groups::fingerprint_of(letter, typing.as_ref()).into();
+        if self.config.show_payloads {
+            value["payload_json"] = serde_json::from_slice::<serde_json::Value>(&letter.payload).unwrap_or_default();
+        } else {
+            value["payload"] = serde_json::Value::Null;
+            value["payload_hidden"] = true.into();
+        }
+        let headers: Vec<serde_json::Value> = letter
+            .headers
+            .iter()
+            .map(|(name, value)| serde_json::json!({ "name": name, "value": String::from_utf8_lossy(value) }))
+            .collect();
+        value["headers"] = headers.into();
+        value
+    }
+}
+
+/// `GET /api/v1/whoami`.
+pub async fn whoami<DB: Backend, P: Publisher + 'static>(
+    State(c): State<Arc<Console<DB, P>>>,
+    headers: HeaderMap,
+) -> Response {
+    match c.api_user(&headers, Role::Viewer) {
+        Ok(user) => Json(user).into_response(),
+        Err((status, why)) => error(status, &why),
+    }
+}
+
+/// `GET /api/v1/failure-groups`.
+pub async fn failure_groups<DB: Backend, P: Publisher + 'static>(
+    State(c): State<Arc<Console<DB, P>>>,
+    headers: HeaderMap,
+    Query(spec): Query<FilterSpec>,
+) -> Response {
+    if let Err((status, why)) = c.api_user(&headers, Role::Viewer) {
+        return error(status, &why);
+    }
+    let filter = match c.filter(spec) {
+        Ok(filter) => filter,
+        Err((status, why)) => return error(status, &why),
+    };
+    match filter.letters(&c.pool, &c.tables, i64::MAX).await {
+        Ok(letters) => Json(crate::dead_letter::groups::group(&letters, filter.typing())).into_response(),
+        Err(e) => database(&e),
+    }
+}
+
+/// One page of dead letters, oldest first, and where the next starts.
+pub(crate) async fn page_of<DB: Backend, P: Publisher + 'static>(
+    c: &Console<DB, P>,
+    page: Page,
+) -> Result<(Vec<DeadLetter>, usize, Option<i64>), Refusal> {
+    let filter = c.filter(page.filter)?;
+    let letters = filter
+        .letters(&c.pool, &c.tables, i64::MAX)
+        .await
+        .map_err(|e| (StatusCode::SERVICE_UNAVAILABLE, format!("the database did not answer: {e}; try again")))?;
+    let total = letters.len();
+    let limit = usize::try_from(page.limit.unwrap_or(50).clamp(1, 500)).unwrap_or(50);
+    let after = page.after.unwrap_or(i64::MIN);
+    let mut rest: Vec<DeadLetter> = letters.into_iter().filter(|l| l.id > after).collect();
+    rest.sort_by_key(|l| l.id);
+    let next = (rest.len() > limit).then(|| rest[limit - 1].id);
+    rest.truncate(limit);
+    Ok((rest, total, next))
+}
+
+/// `GET /api/v1/dead-letters`.
+pub async fn dead_letters<DB: Backend, P: Publisher + 'static>(
+    State(c): State<Arc<Console<DB, P>>>,
+    headers: HeaderMap,
+    Query(page): Query<Page>,
+) -> Response {
+    if let Err((status, why)) = c.api_user(&headers, Role::Viewer) {
+        return error(status, &why);
+    }
+    match page_of(&c, page).await {
+        Ok((letters, total, next)) => {
+            let items: Vec<serde_json::Value> = letters.iter().map(|l| c.letter_json(l)).collect();
+            Json(serde_json::json!({ "items": items, "total": total, "next_after": next })).into_response()
+        }
+        Err((status, why)) => error(status, &why),
+    }
+}
+
+/// `GET /api/v1/dead-letters/{id}`.
+pub async fn dead_letter<DB: Backend, P: Publisher + 'static>(
+    State(c): State<Arc<Console<DB, P>>>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+) -> Response {
+    if let Err((status, why)) = c.api_user(&headers, Role::Viewer) {
+        return error(status, &why);
+    }
+    match find(&c, id).await {
+        Ok(Some(letter)) => Json(c.letter_json(&letter)).into_response(),
+        Ok(None) => error(StatusCode::NOT_FOUND, &format!("no dead letter has id {id} (replayed or discarded since?)")),
+        Err(e) => database(&e),
+    }
+}
+
+/// Dead letter `id`, if there is one.
+pub(crate) async fn find<DB: Backend, P: Publisher + 'static>(
+    c: &Console<DB, P>,
+    id: i64,
+) -> Result<Option<DeadLetter>, crate::Error> {
+    let letters = crate::dead_letter::list(&c.pool, &c.tables, None, i64::MAX).await?;
+    Ok(letters.into_iter().find(|l| l.id == id))
+}
+
+/// `POST /api/v1/dead-letters/replay`.
+pub async fn replay<DB: Backend, P: Publisher + 'static>(
+    State(c): State<Arc<Console<DB, P>>>,
+    headers: HeaderMap,
+    body: Result<Json<ActionRequest>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    act_api(&c, &headers, "replay", body).await
+}
+
+/// `POST /api/v1/dead-letters/discard`.
+pub async fn discard<DB: Backend, P: Publisher + 'static>(
+    State(c): State<Arc<Console<DB, P>>>,
+    headers: HeaderMap,
+    body: Result<Json<ActionRequest>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    act_api(&c, &headers, "discard", body).await
+}
+
+async fn act_api<DB: Backend, P: Publisher + 'static>(
+    c: &Console<DB, P>,
+    headers: &HeaderMap,
+    action: &str,
+    body: Result<Json<ActionRequest>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let user = match c.api_user(headers, Role::Operator) {
+        Ok(user) => user,
+        Err((status, why)) => return error(status, &why),
+    };
+    let Json(request) = match body {
+        Ok(body) => body,
+        Err(rejection) => return error(StatusCode::BAD_REQUEST, &format!("the body: {rejection}")),
+    };
+    match c.act(&user, action, &request).await {
+        Ok(acted) => {
+            let failed = matches!(&acted, Acted::Replayed(t) if t.stopped_by.is_some());
+            let status = if failed { StatusCode::BAD_GATEWAY } else { StatusCode::OK };
+            (status, Json(acted.json(request.dry_run))).into_response()
+        }
+        Err((status, why)) => error(status, &why),
+    }
+}
+
+/// The query of `parked` and `audit`.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct Listing {
+    /// Only this consumer group (parked).
+    pub group: Option<String>,
+    /// At most this many (default 100, at most 1000).
+    pub limit: Option<i64>,
+}
+
+impl Listing {
+    fn limit(&self) -> i64 {
+        self.limit.unwrap_or(100).clamp(1, 1_000)
+    }
+}
+
+/// `GET /api/v1/parked`.
+pub async fn parked<DB: Backend, P: Publisher + 'static>(
+    State(c): State<Arc<Console<DB, P>>>,
+    headers: HeaderMap,
+    Query(listing): Query<Listing>,
+) -> Response {
+    if let Err((status, why)) = c.api_user(&headers, Role::Viewer) {
+        return error(status, &why);
+    }
+    match crate::delayed_retry::list(&c.pool, &c.tables, listing.group.as_deref(), listing.limit()).await {
+        Ok(parked) => Json(parked).into_response(),
+        Err(e) => database(&e),
+    }
+}
+
+/// `GET /api/v1/audit`.
+pub async fn audit<DB: Backend, P: Publisher + 'static>(
+    State(c): State<Arc<Console<DB, P>>>,
+    headers: HeaderMap,
+    Query(listing): Query<Listing>,
+) -> Response {
+    if let Err((status, why)) = c.api_user(&headers, Role::Viewer) {
+        return error(status, &why);
+    }
+    match crate::audit::list(&c.pool, &c.tables, listing.limit()).await {
+        Ok(entries) => {
+            let rows: Vec<serde_json::Value> = entries
+                .iter()
+                .map(|e| {
+                    serde_json::json!({
+                        "id": e.id, "at": crate::store::rfc3339_from_ms(e.at_ms), "actor": e.actor,
+                        "action": e.action, "subjects": e.subjects, "count": e.count, "outcome": e.outcome,
+                    })
+                })
+                .collect();
+            Json(rows).into_response()
+        }
+        Err(e) => database(&e),
+    }
+}

@@ -1,0 +1,197 @@
+//! The operator console (feature `console`): a web page and a JSON API over what failed, for the on-call
+//! engineer. It reads failure groups, dead letters (one by one with headers, payload and history), parked messages
+//! and the audit trail, and acts as the command line does: replay and discard, with the same selection, the same
+//! safety check and the same audit entries (`idem::dead_letter::selection`), so the two never disagree.
+//!
+//! Off unless started (`idem console`, or [`serve`] in a consumer's own binary); binds where it is told
+//! (127.0.0.1 by default on the command line). Every request is authenticated ([`auth`]): the API by
+//! `Authorization: Bearer TOKEN`, the page by a session cookie opened with the token and a CSRF token in every
+//! form. Viewers read; operators act. Payloads are hidden unless [`ConsoleConfig::show_payloads`] (they may hold
+//! personal data). Every response carries a content security policy without inline script and refuses framing.
+//!
+//! ```no_run
+//! # async fn example(pool: sqlx::PgPool, producer: idem::embedded::LogProducer) -> Result<(), idem::Error> {
+//! use idem::console::{ConsoleConfig, Role, Users};
+//! let users = Users::new().with_token("alice", Role::Operator, &std::env::var("CONSOLE_TOKEN").unwrap_or_default());
+//! let config = ConsoleConfig::new(users);
+//! let bound = idem::console::serve("127.0.0.1:9500".parse().unwrap(), pool, idem::Tables::default(), Some(producer), config).await?;
+//! # Ok(()) }
+//! ```
+
+pub mod api;
+pub mod auth;
+pub mod page;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+
+pub use auth::{Role, User, Users};
+
+use crate::audit::AuditEntry;
+use crate::error::Error;
+use crate::source::Publisher;
+use crate::store::{Backend, Tables};
+
+/// How the console behaves.
+#[derive(Debug, Clone)]
+pub struct ConsoleConfig {
+    /// Who may sign in, and as what.
+    pub users: Users,
+    /// Show payloads (they may hold personal data). Default: hidden.
+    pub show_payloads: bool,
+    /// Where messages say their type, part of the failure groups' fingerprints (`header:NAME` or
+    /// `json:/POINTER`); the same setting as the command line's `--message-type`.
+    pub message_type: Option<String>,
+}
+
+impl ConsoleConfig {
+    /// A console for `users`, payloads hidden.
+    pub fn new(users: Users) -> ConsoleConfig {
+        ConsoleConfig { users, show_payloads: false, message_type: None }
+    }
+}
+
+/// What the console's handlers share.
+pub struct Console<DB: Backend, P> {
+    pool: sqlx::Pool<DB>,
+    tables: Tables,
+    publisher: Option<P>,
+    config: ConsoleConfig,
+    sessions: auth::Sessions,
+}
+
+impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
+    /// The user a bearer token names, or the status and reason that refuse the request.
+    fn api_user(&self, headers: &HeaderMap, needs: Role) -> Result<User, api::Refusal> {
+        let token = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .ok_or_else(|| {
+                let why = "send `Authorization: Bearer TOKEN` (a token of the console's users)";
+                (StatusCode::UNAUTHORIZED, why.to_owned())
+            })?;
+        let user = self
+            .config
+            .users
+            .authenticate(token)
+            .ok_or_else(|| (StatusCode::UNAUTHORIZED, "this token is not one of the console's users".to_owned()))?;
+        if user.role < needs {
+            return Err((
+                StatusCode::FORBIDDEN,
+                format!("{} is a {}: acting needs the operator role", user.name, user.role.as_str()),
+            ));
+        }
+        Ok(user)
+    }
+
+    /// Appends an action to the audit trail; a trail that cannot be written is logged (the action stands).
+    async fn audit(&self, user: &User, action: &str, subjects: String, count: usize, outcome: &Result<(), String>) {
+        let outcome = match outcome {
+            Ok(()) => "ok".to_owned(),
+            Err(why) => format!("failed: {why}"),
+        };
+        let entry = AuditEntry::now(&user.name, action, format!("{subjects} (console)"), count as i64, outcome);
+        if let Err(error) = crate::audit::record(&self.pool, &self.tables, &entry).await {
+            tracing::error!(%error, action, actor = %user.name, "the console acted, but the audit trail could not record it");
+        }
+    }
+}
+
+/// The console's routes: the page at `/`, the JSON API under `/api/v1/`. Mount it into an application of your own
+/// or serve it with [`serve`]. `publisher` replays dead letters (each to the topic it came from); without one,
+/// replays are refused with the reason.
+pub fn router<DB: Backend, P: Publisher + 'static>(
+    pool: sqlx::Pool<DB>,
+    tables: Tables,
+    publisher: Option<P>,
+    config: ConsoleConfig,
+) -> Result<Router, Error> {
+    if config.users.is_empty() {
+        return Err(Error::Config(
+            "the console has no user: give it a users file (`NAME ROLE sha256:HEX` lines; `idem console token` makes \
+             one) or a token in IDEM_CONSOLE_TOKEN"
+                .into(),
+        ));
+    }
+    if let Some(typing) = &config.message_type {
+        crate::dead_letter::groups::MessageType::parse(typing)
+            .map_err(|e| Error::Config(format!("message_type: {e}")))?;
+    }
+    let console = Arc::new(Console { pool, tables, publisher, config, sessions: auth::Sessions::default() });
+    let router = Router::new()
+        .route("/api/v1/whoami", get(api::whoami::<DB, P>))
+        .route("/api/v1/failure-groups", get(api::failure_groups::<DB, P>))
+        .route("/api/v1/dead-letters", get(api::dead_letters::<DB, P>))
+        .route("/api/v1/dead-letters/{id}", get(api::dead_letter::<DB, P>))
+        .route("/api/v1/dead-letters/replay", post(api::replay::<DB, P>))
+        .route("/api/v1/dead-letters/discard", post(api::discard::<DB, P>))
+        .route("/api/v1/parked", get(api::parked::<DB, P>))
+        .route("/api/v1/audit", get(api::audit::<DB, P>))
+        .route("/", get(page::groups::<DB, P>))
+        .route("/dead-letters", get(page::dead_letters::<DB, P>))
+        .route("/dead-letters/{id}", get(page::dead_letter::<DB, P>))
+        .route("/parked", get(page::parked::<DB, P>))
+        .route("/audit", get(page::audit::<DB, P>))
+        .route("/actions/{action}", post(page::act::<DB, P>))
+        .route("/login", get(page::login_form).post(page::login::<DB, P>))
+        .route("/logout", post(page::logout::<DB, P>))
+        .route("/static/console.css", get(page::stylesheet))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "not found: the console's pages start at /\n") })
+        .layer(axum::middleware::map_response(secure))
+        .with_state(console);
+    Ok(router)
+}
+
+/// Binds `addr` and serves [`router`] in the background for as long as the process runs; returns the bound
+/// address (port 0 picks one).
+pub async fn serve<DB: Backend, P: Publisher + 'static>(
+    addr: SocketAddr,
+    pool: sqlx::Pool<DB>,
+    tables: Tables,
+    publisher: Option<P>,
+    config: ConsoleConfig,
+) -> Result<SocketAddr, Error> {
+    let app = router(pool, tables, publisher, config)?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| Error::Config(format!("console address {addr}: {e}: choose a free address or port 0")))?;
+    let bound = listener.local_addr().map_err(|e| Error::Config(format!("console address {addr}: {e}")))?;
+    tracing::info!(%bound, "serving the console");
+    tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, app).await {
+            tracing::error!(%error, "the console stopped");
+        }
+    });
+    Ok(bound)
+}
+
+/// Security headers on every response: no inline script, no framing, no sniffing, no referrer, no caching.
+async fn secure(mut response: Response) -> Response {
+    let headers = response.headers_mut();
+    let set = [
+        (
+            header::CONTENT_SECURITY_POLICY,
+            "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; \
+             base-uri 'none'",
+        ),
+        (header::X_FRAME_OPTIONS, "DENY"),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::REFERRER_POLICY, "no-referrer"),
+        (header::CACHE_CONTROL, "no-store"),
+    ];
+    for (name, value) in set {
+        headers.insert(name, HeaderValue::from_static(value));
+    }
+    response
+}
+
+/// A plain-text refusal.
+fn refuse(status: StatusCode, why: &str) -> Response {
+    (status, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], format!("{why}\n")).into_response()
+}

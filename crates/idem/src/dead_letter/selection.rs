@@ -1,0 +1,321 @@
+//! Which dead letters an operator command takes: ids, or every letter the filters take (consumer group, text in
+//! the reason, failure group, age). One selection for the command line and the console, so that the two never
+//! disagree; a selection that takes nothing says why.
+
+use super::groups::{MessageType, fingerprint_of};
+use crate::error::Error;
+use crate::store::{Backend, DeadLetter, Tables};
+
+/// The filters as the operator wrote them (flags or query parameters); [`Filter::parse`] checks them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(default)]
+pub struct FilterSpec {
+    /// Only this consumer group.
+    pub group: Option<String>,
+    /// Only those whose reason contains this text.
+    pub matching: Option<String>,
+    /// Only those of this failure group: 12 hex digits (see [`super::groups`]).
+    pub fingerprint: Option<String>,
+    /// Only those that last failed longer ago than this (`30m`, `2h`, `7d`).
+    pub older_than: Option<String>,
+    /// Where messages say their type, part of the fingerprint: `header:NAME` or `json:/POINTER`.
+    pub message_type: Option<String>,
+}
+
+/// A filter refused: which field, and why (with the fix).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FilterError {
+    /// The field, as [`FilterSpec`] names it (`older_than`).
+    pub field: &'static str,
+    /// Why, and what to write instead.
+    pub why: String,
+}
+
+impl std::fmt::Display for FilterError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field, self.why)
+    }
+}
+
+impl std::error::Error for FilterError {}
+
+/// A [`FilterSpec`] checked: the age turned into a time, the message type parsed, the fingerprint's form checked.
+#[derive(Debug, Clone)]
+pub struct Filter {
+    spec: FilterSpec,
+    failed_before_ms: Option<i64>,
+    typing: Option<MessageType>,
+    fingerprint: Option<String>,
+}
+
+impl Filter {
+    /// Checks `spec`, naming the field that is wrong.
+    pub fn parse(spec: FilterSpec) -> Result<Filter, FilterError> {
+        let set = |value: Option<String>| value.filter(|v| !v.trim().is_empty());
+        let spec = FilterSpec {
+            group: set(spec.group),
+            matching: spec.matching.filter(|m| !m.is_empty()),
+            fingerprint: set(spec.fingerprint),
+            older_than: set(spec.older_than),
+            message_type: set(spec.message_type),
+        };
+        let failed_before_ms = match &spec.older_than {
+            Some(text) => {
+                let age = crate::duration::parse(text).map_err(|e| FilterError {
+                    field: "older_than",
+                    why: match e {
+                        Error::Config(why) => why,
+                        other => other.to_string(),
+                    },
+                })?;
+                let age_ms = i64::try_from(age.as_millis()).unwrap_or(i64::MAX);
+                Some(crate::engine::now_ms().saturating_sub(age_ms))
+            }
+            None => None,
+        };
+        let typing = spec
+            .message_type
+            .as_deref()
+            .map(MessageType::parse)
+            .transpose()
+            .map_err(|why| FilterError { field: "message_type", why })?;
+        let fingerprint = match &spec.fingerprint {
+            Some(text) => {
+                let fingerprint = text.trim().to_ascii_lowercase();
+                if fingerprint.len() != 12 || !fingerprint.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return Err(FilterError {
+                        field: "fingerprint",
+                        why: format!(
+                            "`{text}` is not a fingerprint: it is 12 hexadecimal digits, as the failure groups show it"
+                        ),
+                    });
+                }
+                Some(fingerprint)
+            }
+            None => None,
+        };
+        Ok(Filter { spec, failed_before_ms, typing, fingerprint })
+    }
+
+    /// The filters as written.
+    pub fn spec(&self) -> &FilterSpec {
+        &self.spec
+    }
+
+    /// Where messages say their type, when the operator said.
+    pub fn typing(&self) -> Option<&MessageType> {
+        self.typing.as_ref()
+    }
+
+    /// Whether `letter` passes every filter.
+    pub fn takes(&self, letter: &DeadLetter) -> bool {
+        self.spec.matching.as_deref().is_none_or(|text| letter.error.contains(text))
+            && self.failed_before_ms.is_none_or(|before| letter.last_failed_at_ms < before)
+            && self.fingerprint.as_deref().is_none_or(|f| fingerprint_of(letter, self.typing.as_ref()) == f)
+    }
+
+    /// Whether a filter beyond the consumer group is set.
+    pub fn narrows(&self) -> bool {
+        self.spec.matching.is_some() || self.fingerprint.is_some() || self.spec.older_than.is_some()
+    }
+
+    /// The dead letters taken, oldest first, at most `limit`.
+    pub async fn letters<DB: Backend>(
+        &self,
+        pool: &sqlx::Pool<DB>,
+        tables: &Tables,
+        limit: i64,
+    ) -> Result<Vec<DeadLetter>, Error> {
+        let fetch = if self.narrows() { i64::MAX } else { limit };
+        let letters = super::list(pool, tables, self.spec.group.as_deref(), fetch).await?;
+        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+        Ok(letters.into_iter().filter(|l| self.takes(l)).take(limit).collect())
+    }
+
+    /// The filters in words, as the audit trail records them (`all` without any).
+    pub fn describe(&self) -> String {
+        let s = &self.spec;
+        let parts: Vec<String> = [
+            s.group.as_ref().map(|g| format!("group {g}")),
+            s.matching.as_ref().map(|m| format!("matching {m:?}")),
+            self.fingerprint.as_ref().map(|f| format!("fingerprint {f}")),
+            s.older_than.as_ref().map(|o| format!("older than {o}")),
+            s.message_type.as_ref().map(|t| format!("message type from {t}")),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if parts.is_empty() { "all".to_owned() } else { parts.join(", ") }
+    }
+}
+
+/// The dead letters an acting command names: ids, or `all` of what the filter takes.
+#[derive(Debug, Clone, Copy)]
+pub struct Chosen<'a> {
+    /// Dead-letter ids; empty: every letter the filter takes (then `all` or a narrowing filter is needed).
+    pub ids: &'a [i64],
+    /// Every letter the filter takes, all of them without filters.
+    pub all: bool,
+    /// The filter.
+    pub filter: &'a Filter,
+}
+
+/// What a selection took: letters, or nothing, with why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Taken {
+    /// The letters, oldest first.
+    Letters(Vec<DeadLetter>),
+    /// Nothing: why, and what to do.
+    Refused(String),
+}
+
+impl Chosen<'_> {
+    /// The letters, every id checked; [`Taken::Refused`], naming why, when nothing names them, an id is not there,
+    /// or a failure group is empty. `verb` names the action in the refusal (`replay`).
+    pub async fn letters<DB: Backend>(
+        &self,
+        pool: &sqlx::Pool<DB>,
+        tables: &Tables,
+        verb: &str,
+    ) -> Result<Taken, Error> {
+        if self.ids.is_empty() && !self.all && !self.filter.narrows() {
+            return Ok(Taken::Refused(format!(
+                "name the dead letters to {verb} (ids from `idem dead-letters list`), or pass --all, --matching TEXT, \
+                 --fingerprint F (from `idem dead-letters groups`) or --older-than DURATION"
+            )));
+        }
+        let every = self.ids.is_empty();
+        let letters: Vec<DeadLetter> = self
+            .filter
+            .letters(pool, tables, i64::MAX)
+            .await?
+            .into_iter()
+            .filter(|l| every || self.ids.contains(&l.id))
+            .collect();
+        for id in self.ids {
+            if !letters.iter().any(|l| l.id == *id) {
+                return Ok(Taken::Refused(self.why_not_taken(pool, tables, *id).await?));
+            }
+        }
+        if let (Some(fingerprint), true) = (&self.filter.fingerprint, letters.is_empty()) {
+            return Ok(Taken::Refused(self.why_no_group(pool, tables, fingerprint).await?));
+        }
+        Ok(Taken::Letters(letters))
+    }
+
+    /// Why dead letter `id` is not among those taken: the filters leave it out, it was discarded (by whom, when,
+    /// why), or there is no such letter.
+    async fn why_not_taken<DB: Backend>(
+        &self,
+        pool: &sqlx::Pool<DB>,
+        tables: &Tables,
+        id: i64,
+    ) -> Result<String, Error> {
+        let group = self.filter.spec.group.as_deref();
+        let all = super::list(pool, tables, group, i64::MAX).await?;
+        if all.iter().any(|l| l.id == id) {
+            return Ok(format!(
+                "dead letter {id} is not among those the filters take ({}); drop the filters to name it by id",
+                self.filter.describe()
+            ));
+        }
+        if let Ok(Some(a)) = super::archived_letter(pool, tables, id).await {
+            return Ok(format!(
+                "dead letter {id} was discarded by {} at {} ({}); see `idem dead-letters archived`",
+                a.discarded_by,
+                crate::store::rfc3339_from_ms(a.discarded_at_ms),
+                a.reason
+            ));
+        }
+        Ok(match group {
+            Some(group) => format!("no dead letter of group {group} has id {id}; see `idem dead-letters list`"),
+            None => format!("no dead letter has id {id} (replayed since?); see `idem dead-letters list`"),
+        })
+    }
+
+    /// Why failure group `fingerprint` selects nothing: the other filters leave its letters out, they were all
+    /// discarded, or the fingerprint was taken with another message-type setting (or is gone).
+    async fn why_no_group<DB: Backend>(
+        &self,
+        pool: &sqlx::Pool<DB>,
+        tables: &Tables,
+        fingerprint: &str,
+    ) -> Result<String, Error> {
+        let typing = self.filter.typing.as_ref();
+        let group = self.filter.spec.group.as_deref();
+        let all = super::list(pool, tables, group, i64::MAX).await?;
+        let of_group = all.iter().filter(|l| fingerprint_of(l, typing) == fingerprint).count();
+        if of_group > 0 {
+            return Ok(format!(
+                "failure group {fingerprint} has {of_group} dead letter(s), but the other filters ({}) take none of \
+                 them",
+                self.filter.describe()
+            ));
+        }
+        let discarded: Vec<_> = super::archived(pool, tables, group, 10_000)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|a| fingerprint_of(&a.letter, typing) == fingerprint)
+            .collect();
+        if let Some(last) = discarded.first() {
+            return Ok(format!(
+                "failure group {fingerprint} has no dead letter left: {} of its letters were discarded, the last by \
+                 {} at {}; see `idem dead-letters archived`",
+                discarded.len(),
+                last.discarded_by,
+                crate::store::rfc3339_from_ms(last.discarded_at_ms)
+            ));
+        }
+        let setting = match &self.filter.spec.message_type {
+            Some(t) => format!("with --message-type {t}"),
+            None => "without --message-type".to_owned(),
+        };
+        Ok(format!(
+            "no dead letter has fingerprint {fingerprint} {setting}: a fingerprint depends on the message-type \
+             setting, so take it from `idem dead-letters groups` run with the same --message-type; or its letters \
+             were replayed since"
+        ))
+    }
+
+    /// What the audit trail records as the subjects: the ids named, or the filters and the ids they took.
+    pub fn subjects(&self, taken: &[i64]) -> String {
+        if !self.ids.is_empty() {
+            return format!("ids {}", join(self.ids));
+        }
+        let filters = self.filter.describe();
+        if taken.is_empty() { filters } else { format!("{filters}: ids {}", join(taken)) }
+    }
+}
+
+/// Ids as `1, 2, 3`.
+pub fn join(ids: &[i64]) -> String {
+    ids.iter().map(i64::to_string).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spec_is_checked_field_by_field() {
+        let parse = |spec: FilterSpec| Filter::parse(spec).map(|_| ()).map_err(|e| e.field);
+        assert_eq!(parse(FilterSpec { older_than: Some("10".into()), ..FilterSpec::default() }), Err("older_than"));
+        assert_eq!(
+            parse(FilterSpec { message_type: Some("type".into()), ..FilterSpec::default() }),
+            Err("message_type")
+        );
+        assert_eq!(
+            parse(FilterSpec { fingerprint: Some("refunds".into()), ..FilterSpec::default() }),
+            Err("fingerprint")
+        );
+        let upper = Filter::parse(FilterSpec { fingerprint: Some(" A1B2C3D4E5F6 ".into()), ..FilterSpec::default() });
+        assert_eq!(upper.map(|f| f.fingerprint), Ok(Some("a1b2c3d4e5f6".to_owned())));
+        let blank = Filter::parse(FilterSpec {
+            group: Some(" ".into()),
+            older_than: Some(String::new()),
+            ..FilterSpec::default()
+        });
+        assert!(blank.is_ok_and(|f| !f.narrows() && f.describe() == "all"), "blank fields are no filter");
+    }
+}
