@@ -117,6 +117,8 @@ IDEM_DATABASE_URL="${IDEM_EXAMPLE_DATABASE_URL:-postgres://postgres@127.0.0.1:54
   cargo run --quiet -p idem --example order_sequence
 # The configuration examples (idem run, no Rust): the ledger exact, the outbox emits delivered by the relay.
 bash examples/config/run.sh target/debug/idem
+# The operator console in a real browser (Debian's Chromium and playwright-core, installed once if missing).
+scripts/browser.sh target/debug/idem
 # The systemd unit of deploy/, where systemd-analyze is installed (pointed at this build's binary).
 if command -v systemd-analyze >/dev/null 2>&1; then
   unit_dir="$(mktemp -d)"

@@ -81,6 +81,7 @@ enum Command {
     /// The operator console: a web page and a JSON API over failure groups, dead letters, parked messages and the
     /// audit trail, with users, roles and the same replay and discard as `dead-letters` (127.0.0.1:9500 by
     /// default). `idem console token NAME --role operator` makes a user.
+    #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
     Console(console::ConsoleArgs),
     /// Messages parked for delayed retries: list them, make them due now, discard them into the dead letters.
     #[command(subcommand)]

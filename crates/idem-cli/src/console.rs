@@ -16,7 +16,6 @@ use crate::with_pool;
 
 /// `idem console`.
 #[derive(Args, Debug)]
-#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct ConsoleArgs {
     #[command(subcommand)]
     command: Option<ConsoleCommand>,
@@ -38,11 +37,19 @@ enum ConsoleCommand {
     },
 }
 
-/// What `idem console` serves, where, and to whom.
+/// What `idem console` serves, where, and to whom. The database flags are `DbArgs`' own, optional here so that
+/// `idem console token` needs none.
 #[derive(Args, Debug)]
 struct ServeArgs {
-    #[command(flatten)]
-    db: DbArgs,
+    /// Database URL: postgres://user@host/db, mysql://user@host/db or sqlite://path.db.
+    #[arg(long, env = "IDEM_DATABASE_URL")]
+    database_url: Option<String>,
+    /// PostgreSQL schema of idem's tables.
+    #[arg(long)]
+    schema: Option<String>,
+    /// Prefix of idem's table names, as the consumers were configured.
+    #[arg(long, default_value = "")]
+    table_prefix: String,
     /// Where to listen. The default keeps the console on this machine; put it behind a TLS proxy to reach it
     /// from elsewhere.
     #[arg(long, default_value = "127.0.0.1:9500")]
@@ -75,7 +82,10 @@ pub async fn run(args: ConsoleArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let serve = args.serve;
-    let db_args = serve.db;
+    let Some(database_url) = serve.database_url else {
+        bail!("--database-url: the console needs the database the consumers use (or IDEM_DATABASE_URL)");
+    };
+    let db_args = DbArgs { database_url, schema: serve.schema, table_prefix: serve.table_prefix };
     let users = users(serve.users.as_deref())?;
     let config = ConsoleConfig { users, show_payloads: serve.show_payloads, message_type: serve.message_type };
     let (db, tables) = Db::open_with(&db_args, "dead_letters").await?;

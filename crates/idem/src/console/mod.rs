@@ -142,6 +142,7 @@ pub fn router<DB: Backend, P: Publisher + 'static>(
         .route("/login", get(page::login_form).post(page::login::<DB, P>))
         .route("/logout", post(page::logout::<DB, P>))
         .route("/static/console.css", get(page::stylesheet))
+        .route("/favicon.ico", get(|| async { StatusCode::NO_CONTENT }))
         .fallback(|| async { (StatusCode::NOT_FOUND, "not found: the console's pages start at /\n") })
         .layer(axum::middleware::map_response(secure))
         .with_state(console);
@@ -171,7 +172,8 @@ pub async fn serve<DB: Backend, P: Publisher + 'static>(
     Ok(bound)
 }
 
-/// Security headers on every response: no inline script, no framing, no sniffing, no referrer, no caching.
+/// Security headers on every response: no inline script, no framing, no sniffing, no referrer to other sites, no
+/// caching.
 async fn secure(mut response: Response) -> Response {
     let headers = response.headers_mut();
     let set = [
@@ -182,7 +184,8 @@ async fn secure(mut response: Response) -> Response {
         ),
         (header::X_FRAME_OPTIONS, "DENY"),
         (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
-        (header::REFERRER_POLICY, "no-referrer"),
+        // Not `no-referrer`: with it a browser sends `Origin: null` on the console's own forms.
+        (header::REFERRER_POLICY, "same-origin"),
         (header::CACHE_CONTROL, "no-store"),
     ];
     for (name, value) in set {
