@@ -4,6 +4,8 @@
 # go through `idem run`; an operator signs in, finds the failure group, sees what a replay would do, replays it
 # once the cause is fixed, and the ledger becomes right and the audit trail names her; a viewer cannot act; a
 # request without a token and a form without its CSRF token are refused.
+# Then schemathesis (from PyPI, installed once beside playwright-core) runs the live console's JSON API against
+# its OpenAPI document for a bounded number of examples: no server error, every status and body as documented.
 # Usage: scripts/browser.sh [path/to/idem] [screenshot-dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +21,12 @@ if [ ! -d "$tools/browser/node_modules/playwright-core" ]; then
   echo "installing playwright-core into $tools/browser…"
   mkdir -p "$tools/browser"
   (cd "$tools/browser" && npm install --silent --no-audit --no-fund playwright-core@1.65.2 >/dev/null)
+fi
+
+if [ ! -x "$tools/schemathesis/bin/schemathesis" ]; then
+  echo "installing schemathesis into $tools/schemathesis…"
+  python3 -m venv "$tools/schemathesis"
+  "$tools/schemathesis/bin/pip" install --quiet schemathesis==4.32.5
 fi
 
 work="$(mktemp -d)"
@@ -58,3 +66,11 @@ OPERATOR_TOKEN=$(echo "$alice" | sed -n 's/^token: //p') \
 VIEWER_TOKEN=$(echo "$bob" | sed -n 's/^token: //p') \
 WORK="$work" IDEM="$idem" SHOTS="$shots" NODE_PATH="$tools/browser/node_modules" \
   node tests/browser/console.cjs || { echo "the console's log:" >&2; cat "$work/console.log" >&2; exit 1; }
+
+# The API against its document, as the operator (actions included), deterministic and bounded.
+operator=$(echo "$alice" | sed -n 's/^token: //p')
+(cd "$work" && "$tools/schemathesis/bin/schemathesis" run "http://127.0.0.1:$port/api/v1/openapi.json" \
+  -H "Authorization: Bearer $operator" --max-examples 25 --generation-deterministic \
+  --exclude-checks positive_data_acceptance --no-color > schemathesis.log 2>&1) \
+  || { tail -60 "$work/schemathesis.log" >&2; echo "schemathesis: the API does not hold to its document" >&2; exit 1; }
+grep -E "^ *[0-9]+ generated" "$work/schemathesis.log" | sed 's/^ */schemathesis: /'

@@ -15,6 +15,7 @@
 use std::sync::Arc;
 
 use axum::Json;
+use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -36,6 +37,16 @@ fn database(error: &crate::Error) -> Response {
 
 fn error_response(why: &str) -> Response {
     error(StatusCode::SERVICE_UNAVAILABLE, why)
+}
+
+/// A query string checked: the parameter that does not read is named.
+fn query<T>(query: Result<Query<T>, QueryRejection>) -> Result<T, Refusal> {
+    query.map(|Query(q)| q).map_err(|e| (StatusCode::BAD_REQUEST, format!("the query: {}", e.body_text())))
+}
+
+/// `GET /api/v1/openapi.json`: the API's description (no token needed).
+pub async fn openapi() -> Response {
+    Json(super::openapi::document()).into_response()
 }
 
 /// The query of the dead-letter list: the filters, and where the page starts.
@@ -208,12 +219,12 @@ pub async fn whoami<DB: Backend, P: Publisher + 'static>(
 pub async fn failure_groups<DB: Backend, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
-    Query(spec): Query<FilterSpec>,
+    spec: Result<Query<FilterSpec>, QueryRejection>,
 ) -> Response {
     if let Err((status, why)) = c.api_user(&headers, Role::Viewer) {
         return error(status, &why);
     }
-    let filter = match c.filter(spec) {
+    let filter = match query(spec).and_then(|spec| c.filter(spec)) {
         Ok(filter) => filter,
         Err((status, why)) => return error(status, &why),
     };
@@ -247,11 +258,15 @@ pub(crate) async fn page_of<DB: Backend, P: Publisher + 'static>(
 pub async fn dead_letters<DB: Backend, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
-    Query(page): Query<Page>,
+    page: Result<Query<Page>, QueryRejection>,
 ) -> Response {
     if let Err((status, why)) = c.api_user(&headers, Role::Viewer) {
         return error(status, &why);
     }
+    let page = match query(page) {
+        Ok(page) => page,
+        Err((status, why)) => return error(status, &why),
+    };
     match page_of(&c, page).await {
         Ok((letters, total, next)) => {
             let items: Vec<serde_json::Value> = letters.iter().map(|l| c.letter_json(l)).collect();
@@ -265,11 +280,14 @@ pub async fn dead_letters<DB: Backend, P: Publisher + 'static>(
 pub async fn dead_letter<DB: Backend, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
-    Path(id): Path<i64>,
+    id: Result<Path<i64>, PathRejection>,
 ) -> Response {
     if let Err((status, why)) = c.api_user(&headers, Role::Viewer) {
         return error(status, &why);
     }
+    let Ok(Path(id)) = id else {
+        return error(StatusCode::BAD_REQUEST, "id: a dead letter's id is an integer");
+    };
     match find(&c, id).await {
         Ok(Some(letter)) => Json(c.letter_json(&letter)).into_response(),
         Ok(None) => error(StatusCode::NOT_FOUND, &format!("no dead letter has id {id} (replayed or discarded since?)")),
@@ -348,11 +366,15 @@ impl Listing {
 pub async fn parked<DB: Backend, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
-    Query(listing): Query<Listing>,
+    listing: Result<Query<Listing>, QueryRejection>,
 ) -> Response {
     if let Err((status, why)) = c.api_user(&headers, Role::Viewer) {
         return error(status, &why);
     }
+    let listing = match query(listing) {
+        Ok(listing) => listing,
+        Err((status, why)) => return error(status, &why),
+    };
     match crate::delayed_retry::list(&c.pool, &c.tables, listing.group.as_deref(), listing.limit()).await {
         Ok(parked) => Json(parked).into_response(),
         Err(e) => database(&e),
@@ -363,11 +385,15 @@ pub async fn parked<DB: Backend, P: Publisher + 'static>(
 pub async fn audit<DB: Backend, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
-    Query(listing): Query<Listing>,
+    listing: Result<Query<Listing>, QueryRejection>,
 ) -> Response {
     if let Err((status, why)) = c.api_user(&headers, Role::Viewer) {
         return error(status, &why);
     }
+    let listing = match query(listing) {
+        Ok(listing) => listing,
+        Err((status, why)) => return error(status, &why),
+    };
     match crate::audit::list(&c.pool, &c.tables, listing.limit()).await {
         Ok(entries) => {
             let rows: Vec<serde_json::Value> = entries

@@ -20,6 +20,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod openapi;
 pub mod page;
 
 use std::net::SocketAddr;
@@ -125,6 +126,7 @@ pub fn router<DB: Backend, P: Publisher + 'static>(
     }
     let console = Arc::new(Console { pool, tables, publisher, config, sessions: auth::Sessions::default() });
     let router = Router::new()
+        .route("/api/v1/openapi.json", get(api::openapi))
         .route("/api/v1/whoami", get(api::whoami::<DB, P>))
         .route("/api/v1/failure-groups", get(api::failure_groups::<DB, P>))
         .route("/api/v1/dead-letters", get(api::dead_letters::<DB, P>))

@@ -1,0 +1,232 @@
+//! The JSON API's OpenAPI 3.0 document, served at `/api/v1/openapi.json`. It is written beside the handlers
+//! ([`super::api`]), and the test suite holds the two together: schemathesis runs the live console against it
+//! (every response's status and body must be the documented ones; no server error).
+
+use serde_json::{Value, json};
+
+/// The filters every dead-letter selection takes: name, description, schema. A blank value is no filter.
+fn filters() -> Vec<(&'static str, &'static str, Value)> {
+    vec![
+        ("group", "Only this consumer group.", string()),
+        ("matching", "Only letters whose reason contains this text.", string()),
+        (
+            "fingerprint",
+            "Only this failure group: 12 hexadecimal digits.",
+            json!({ "type": "string", "pattern": "^\\s*([0-9a-fA-F]{12})?\\s*$" }),
+        ),
+        ("older_than", "Only letters that last failed longer ago than this (30m, 2h, 7d).", string()),
+        (
+            "message_type",
+            "Where messages say their type: header:NAME or json:/POINTER.",
+            json!({ "type": "string", "pattern": "^\\s*((header:\\S.*)|(json:/.*))?\\s*$" }),
+        ),
+    ]
+}
+
+fn filter_parameters() -> Vec<Value> {
+    filters().into_iter().map(|(name, description, schema)| query(name, description, schema)).collect()
+}
+
+/// The body of an action: ids or `all`, the filters, and the options.
+fn action_properties() -> Value {
+    let mut properties = serde_json::Map::new();
+    properties.insert("ids".into(), ids());
+    properties.insert("all".into(), json!({ "type": "boolean" }));
+    for (name, description, mut schema) in filters() {
+        schema["description"] = description.into();
+        properties.insert(name.into(), schema);
+    }
+    properties.insert(
+        "force".into(),
+        json!({ "type": "boolean", "description": "Replay: accept letters older than the markers kept." }),
+    );
+    properties.insert(
+        "dry_run".into(),
+        json!({ "type": "boolean", "description": "Say what would happen; change nothing." }),
+    );
+    properties.insert("reason".into(), json!({ "type": "string", "pattern": "\\S", "description": "Discard: why." }));
+    Value::Object(properties)
+}
+
+fn query(name: &str, description: &str, schema: Value) -> Value {
+    json!({ "name": name, "in": "query", "required": false, "description": description, "schema": schema })
+}
+
+fn reference(name: &str) -> Value {
+    json!({ "$ref": format!("#/components/schemas/{name}") })
+}
+
+fn body(schema: Value) -> Value {
+    json!({ "content": { "application/json": { "schema": schema } } })
+}
+
+fn answer(description: &str, schema: Value) -> Value {
+    json!({ "description": description, "content": { "application/json": { "schema": schema } } })
+}
+
+/// The answers every authenticated endpoint may give besides its own.
+fn refusals(extra: &[(&str, &str)]) -> serde_json::Map<String, Value> {
+    let mut answers = serde_json::Map::new();
+    let mut add = |status: &str, description: &str| {
+        answers.insert(status.to_owned(), answer(description, reference("Error")));
+    };
+    add("400", "A parameter or the body is not what the endpoint takes (the error names it).");
+    add("401", "No bearer token, or one that is not a user's.");
+    add("503", "The database did not answer.");
+    for (status, description) in extra {
+        add(status, description);
+    }
+    answers
+}
+
+fn operation(summary: &str, parameters: Vec<Value>, ok: Value, extra: &[(&str, &str)]) -> Value {
+    let mut responses = refusals(extra);
+    responses.insert("200".into(), ok);
+    json!({ "summary": summary, "parameters": parameters, "responses": responses, "security": [{ "bearer": [] }] })
+}
+
+fn action(summary: &str, request: &str, ok: &str) -> Value {
+    let mut op = operation(
+        summary,
+        Vec::new(),
+        answer("What was done (or, with dry_run, what would be).", reference(ok)),
+        &[
+            ("403", "The user is a viewer."),
+            (
+                "409",
+                "The selection takes nothing, a letter is gone or was discarded meanwhile, or there is no broker to replay to; nothing was done.",
+            ),
+            ("502", "The broker refused a publish: the replay stopped (see stopped_by)."),
+        ],
+    );
+    op["requestBody"] = body(reference(request));
+    op["requestBody"]["required"] = true.into();
+    op
+}
+
+fn string() -> Value {
+    json!({ "type": "string" })
+}
+
+fn nullable_string() -> Value {
+    json!({ "type": "string", "nullable": true })
+}
+
+fn integer() -> Value {
+    json!({ "type": "integer", "format": "int64" })
+}
+
+fn ids() -> Value {
+    json!({ "type": "array", "items": integer() })
+}
+
+fn object(properties: Value, required: &[&str]) -> Value {
+    json!({ "type": "object", "properties": properties, "required": required })
+}
+
+/// The document.
+pub fn document() -> Value {
+    let mut letter_page = filter_parameters();
+    letter_page.push(query("after", "Only letters with a larger id: the previous page's next_after.", integer()));
+    letter_page.push(query("limit", "At most this many (1 to 500, default 50).", integer()));
+    let listing = |group: bool| {
+        let mut parameters = vec![query("limit", "At most this many (1 to 1000, default 100).", integer())];
+        if group {
+            parameters.push(query("group", "Only this consumer group.", string()));
+        }
+        parameters
+    };
+    let id = json!({ "name": "id", "in": "path", "required": true, "schema": integer() });
+    json!({
+        "openapi": "3.0.3",
+        "info": {
+            "title": "idem console",
+            "version": env!("CARGO_PKG_VERSION"),
+            "description": "Failure groups, dead letters, parked messages and the audit trail; replay and discard with \
+                            the command line's selection, safety check and audit entries.",
+        },
+        "paths": {
+            "/api/v1/whoami": { "get": operation("The signed-in user.", vec![], answer("The user.", reference("User")), &[]) },
+            "/api/v1/failure-groups": { "get": operation(
+                "Failure groups, the largest first.",
+                filter_parameters(),
+                answer("The groups.", json!({ "type": "array", "items": reference("FailureGroup") })),
+                &[],
+            ) },
+            "/api/v1/dead-letters": { "get": operation(
+                "Dead letters, oldest first, a page at a time.",
+                letter_page,
+                answer("A page.", reference("LetterPage")),
+                &[],
+            ) },
+            "/api/v1/dead-letters/{id}": { "get": operation(
+                "One dead letter with its headers (and payload when shown).",
+                vec![id],
+                answer("The letter.", reference("DeadLetter")),
+                &[("404", "No dead letter has that id.")],
+            ) },
+            "/api/v1/dead-letters/replay": { "post": action("Replay the selected dead letters.", "ActionRequest", "ReplayResult") },
+            "/api/v1/dead-letters/discard": { "post": action("Discard the selected dead letters into the archive.", "DiscardRequest", "DiscardResult") },
+            "/api/v1/parked": { "get": operation(
+                "Parked messages in arrival order.",
+                listing(true),
+                answer("The parked messages.", json!({ "type": "array", "items": reference("ParkedMessage") })),
+                &[],
+            ) },
+            "/api/v1/audit": { "get": operation(
+                "The audit trail, newest first.",
+                listing(false),
+                answer("The entries.", json!({ "type": "array", "items": reference("AuditEntry") })),
+                &[],
+            ) },
+        },
+        "components": {
+            "securitySchemes": { "bearer": { "type": "http", "scheme": "bearer" } },
+            "schemas": {
+                "Error": object(json!({ "error": string() }), &["error"]),
+                "User": object(json!({ "name": string(), "role": { "type": "string", "enum": ["viewer", "operator"] } }), &["name", "role"]),
+                "FailureGroup": object(json!({
+                    "fingerprint": string(), "consumer_group": string(), "message_type": nullable_string(),
+                    "pattern": string(), "count": { "type": "integer" }, "first_failed_at": string(),
+                    "last_failed_at": string(), "sample": string(), "ids": ids(),
+                }), &["fingerprint", "consumer_group", "pattern", "count", "first_failed_at", "last_failed_at", "sample", "ids"]),
+                "DeadLetter": object(json!({
+                    "id": integer(), "consumer_group": string(), "event_id": nullable_string(), "topic": string(),
+                    "partition": { "type": "integer" }, "offset": integer(), "error": string(),
+                    "attempts": { "type": "integer" }, "first_failed_at": string(), "last_failed_at": string(),
+                    "status": string(), "fingerprint": string(),
+                    "payload": { "type": "string", "nullable": true, "description": "Null unless payloads are shown." },
+                    "payload_hidden": { "type": "boolean" },
+                    "payload_json": { "nullable": true, "description": "The payload parsed as JSON, when shown and JSON." },
+                    "headers": { "type": "array", "items": object(json!({ "name": string(), "value": string() }), &["name", "value"]) },
+                }), &["id", "consumer_group", "topic", "partition", "offset", "error", "attempts", "status", "fingerprint", "headers"]),
+                "LetterPage": object(json!({
+                    "items": { "type": "array", "items": reference("DeadLetter") },
+                    "total": { "type": "integer" },
+                    "next_after": { "type": "integer", "format": "int64", "nullable": true },
+                }), &["items", "total", "next_after"]),
+                "ActionRequest": { "type": "object", "properties": action_properties() },
+                "DiscardRequest": {
+                    "type": "object",
+                    "properties": action_properties(),
+                    "required": ["reason"],
+                },
+                "ReplayResult": object(json!({
+                    "dry_run": { "type": "boolean" }, "replayed": ids(), "would_replay": ids(), "gone": ids(),
+                    "refused": { "type": "array", "items": object(json!({
+                        "id": integer(), "risk": { "type": "string", "enum": ["markers_pruned", "applied_since"] }, "why": string(),
+                    }), &["id", "risk", "why"]) },
+                    "stopped_by": nullable_string(),
+                }), &["dry_run", "refused", "gone", "stopped_by"]),
+                "DiscardResult": object(json!({
+                    "dry_run": { "type": "boolean" }, "discarded": ids(), "would_discard": ids(), "left": ids(),
+                }), &["dry_run", "left"]),
+                "ParkedMessage": { "type": "object", "properties": { "id": integer(), "consumer_group": string(), "event_id": string() }, "required": ["id", "consumer_group", "event_id"] },
+                "AuditEntry": object(json!({
+                    "id": integer(), "at": string(), "actor": string(), "action": string(), "subjects": string(),
+                    "count": integer(), "outcome": string(),
+                }), &["id", "at", "actor", "action", "subjects", "count", "outcome"]),
+            },
+        },
+    })
+}
