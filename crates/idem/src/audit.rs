@@ -45,8 +45,8 @@ impl AuditEntry {
     }
 }
 
-/// Appends `entry` to the audit trail.
-pub async fn record<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables, entry: &AuditEntry) -> Result<(), Error> {
+/// Appends `entry` to the audit trail; its id.
+pub async fn record<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables, entry: &AuditEntry) -> Result<i64, Error> {
     Ok(DB::append_audit(pool, tables, entry).await?)
 }
 

@@ -200,11 +200,13 @@ async fn the_console_acts_as_the_command_line_does_and_only_for_operators() {
     assert!(again.body.contains(&format!("no dead letter has id {}", all_three[0])), "{}", again.body);
     let rest = api(addr, "POST", "/api/v1/dead-letters/replay", OPERATOR, &group_body).await;
     assert_eq!(ids(&rest.json(), "replayed"), all_three[1..].to_vec(), "{}", rest.body);
+    let entry = rest.json()["audit_id"].as_i64().expect("the action's audit entry");
     assert_eq!(run().await.processed, 3);
     let (applied,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM ledger").fetch_one(&pool).await.unwrap();
     assert_eq!(applied, 10, "every payment applied once");
     let audit = api(addr, "GET", "/api/v1/audit", VIEWER, "").await.json();
     let newest = &audit[0];
+    assert_eq!(newest["id"].as_i64(), Some(entry), "the answer names its audit entry: {audit}");
     assert_eq!(
         (newest["actor"].as_str(), newest["action"].as_str(), newest["count"].as_i64()),
         (Some("alice"), Some("dead-letters replay"), Some(2)),

@@ -119,8 +119,14 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
         Filter::parse(spec).map_err(|e| (StatusCode::BAD_REQUEST, e.to_string()))
     }
 
-    /// Replays or discards (`action`) what `request` selects, as `user`; writes the audit trail unless a dry run.
-    pub(crate) async fn act(&self, user: &User, action: &str, request: &ActionRequest) -> Result<Acted, Refusal> {
+    /// Replays or discards (`action`) what `request` selects, as `user`; writes the audit trail unless a dry run
+    /// (the entry's id is returned with what was done).
+    pub(crate) async fn act(
+        &self,
+        user: &User,
+        action: &str,
+        request: &ActionRequest,
+    ) -> Result<(Acted, Option<i64>), Refusal> {
         let filter = self.filter(request.filter.clone())?;
         let chosen = Chosen { ids: &request.ids, all: request.all, filter: &filter };
         let (verb, audit_action) = match action {
@@ -160,24 +166,25 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
         let safety = if request.force { Safety::Forced } else { Safety::Checked };
         match (verb, request.dry_run, &self.publisher) {
             ("replay", true, _) => {
-                Ok(Acted::Replayed(crate::dead_letter::check_each(&self.pool, &self.tables, &letters, safety).await))
+                let tally = crate::dead_letter::check_each(&self.pool, &self.tables, &letters, safety).await;
+                Ok((Acted::Replayed(tally), None))
             }
             ("replay", false, Some(publisher)) => {
                 let tally =
                     crate::dead_letter::replay_each(&self.pool, &self.tables, publisher, &letters, safety).await;
-                self.audit(user, audit_action, subjects, tally.replayed.len(), &tally.outcome()).await;
-                Ok(Acted::Replayed(tally))
+                let entry = self.audit(user, audit_action, subjects, tally.replayed.len(), &tally.outcome()).await;
+                Ok((Acted::Replayed(tally), entry))
             }
-            (_, true, _) => Ok(Acted::Discarded { ids, left: Vec::new() }),
+            (_, true, _) => Ok((Acted::Discarded { ids, left: Vec::new() }, None)),
             _ => {
                 let discarded =
                     crate::dead_letter::discard(&self.pool, &self.tables, &letters, &user.name, reason).await;
                 let outcome = discarded.as_ref().map(|_| ()).map_err(ToString::to_string);
                 let count = discarded.as_ref().map_or(0, Vec::len);
-                self.audit(user, audit_action, subjects, count, &outcome).await;
+                let entry = self.audit(user, audit_action, subjects, count, &outcome).await;
                 let discarded = discarded.map_err(|e| (StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
                 let left = ids.into_iter().filter(|id| !discarded.contains(id)).collect();
-                Ok(Acted::Discarded { ids: discarded, left })
+                Ok((Acted::Discarded { ids: discarded, left }, entry))
             }
         }
     }
@@ -337,10 +344,12 @@ async fn act_api<DB: Backend, P: Publisher + 'static>(
         Err(rejection) => return error(StatusCode::BAD_REQUEST, &format!("the body: {rejection}")),
     };
     match c.act(&user, action, &request).await {
-        Ok(acted) => {
+        Ok((acted, entry)) => {
             let failed = matches!(&acted, Acted::Replayed(t) if t.stopped_by.is_some());
             let status = if failed { StatusCode::BAD_GATEWAY } else { StatusCode::OK };
-            (status, Json(acted.json(request.dry_run))).into_response()
+            let mut body = acted.json(request.dry_run);
+            body["audit_id"] = entry.into();
+            (status, Json(body)).into_response()
         }
         Err((status, why)) => error(status, &why),
     }

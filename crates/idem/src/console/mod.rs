@@ -91,15 +91,27 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
         Ok(user)
     }
 
-    /// Appends an action to the audit trail; a trail that cannot be written is logged (the action stands).
-    async fn audit(&self, user: &User, action: &str, subjects: String, count: usize, outcome: &Result<(), String>) {
+    /// Appends an action to the audit trail; its entry's id. A trail that cannot be written is logged (the action
+    /// stands).
+    async fn audit(
+        &self,
+        user: &User,
+        action: &str,
+        subjects: String,
+        count: usize,
+        outcome: &Result<(), String>,
+    ) -> Option<i64> {
         let outcome = match outcome {
             Ok(()) => "ok".to_owned(),
             Err(why) => format!("failed: {why}"),
         };
         let entry = AuditEntry::now(&user.name, action, format!("{subjects} (console)"), count as i64, outcome);
-        if let Err(error) = crate::audit::record(&self.pool, &self.tables, &entry).await {
-            tracing::error!(%error, action, actor = %user.name, "the console acted, but the audit trail could not record it");
+        match crate::audit::record(&self.pool, &self.tables, &entry).await {
+            Ok(id) => Some(id),
+            Err(error) => {
+                tracing::error!(%error, action, actor = %user.name, "the console acted, but the audit trail could not record it");
+                None
+            }
         }
     }
 }

@@ -217,10 +217,12 @@ pub fn document() -> Value {
                         "id": integer(), "risk": { "type": "string", "enum": ["markers_pruned", "applied_since"] }, "why": string(),
                     }), &["id", "risk", "why"]) },
                     "stopped_by": nullable_string(),
-                }), &["dry_run", "refused", "gone", "stopped_by"]),
+                    "audit_id": { "type": "integer", "format": "int64", "nullable": true, "description": "The audit trail's entry (none for a dry run)." },
+                }), &["dry_run", "refused", "gone", "stopped_by", "audit_id"]),
                 "DiscardResult": object(json!({
                     "dry_run": { "type": "boolean" }, "discarded": ids(), "would_discard": ids(), "left": ids(),
-                }), &["dry_run", "left"]),
+                    "audit_id": { "type": "integer", "format": "int64", "nullable": true, "description": "The audit trail's entry (none for a dry run)." },
+                }), &["dry_run", "left", "audit_id"]),
                 "ParkedMessage": { "type": "object", "properties": { "id": integer(), "consumer_group": string(), "event_id": string() }, "required": ["id", "consumer_group", "event_id"] },
                 "AuditEntry": object(json!({
                     "id": integer(), "at": string(), "actor": string(), "action": string(), "subjects": string(),

@@ -452,8 +452,8 @@ pub async fn act<DB: Backend, P: Publisher + 'static>(
         reason: text("reason"),
     };
     match c.act(&session.user, &action, &request).await {
-        Ok(acted) if !confirmed => confirm_page(&c, &session, &action, &request, &acted),
-        Ok(acted) => result_page(&c, &session, &action, &acted),
+        Ok((acted, _)) if !confirmed => confirm_page(&c, &session, &action, &request, &acted),
+        Ok((acted, entry)) => result_page(&c, &session, &action, &acted, entry),
         Err((status, why)) => {
             let body = format!(r#"<p class="error" id="refused">{}</p><p>Nothing was done.</p>"#, esc(&why));
             let mut page = c.layout("Not done", &session, &body);
@@ -516,6 +516,7 @@ fn result_page<DB: Backend, P: Publisher + 'static>(
     session: &Session,
     action: &str,
     acted: &Acted,
+    entry: Option<i64>,
 ) -> Response {
     let mut body = String::new();
     match acted {
@@ -552,8 +553,16 @@ fn result_page<DB: Backend, P: Publisher + 'static>(
             }
         }
     }
-    let actor = q(&session.user.name);
-    let _ = write!(body, r#"<p><a id="audit-link" href="/audit?actor={actor}">The audit trail's entry</a></p>"#);
+    match entry {
+        Some(id) => {
+            let _ = write!(
+                body,
+                r##"<p><a id="audit-link" href="/audit#audit-{id}">The audit trail's entry ({id})</a></p>"##
+            );
+        }
+        None => body
+            .push_str(r#"<p class="error">The audit trail could not record this action (see the console's log).</p>"#),
+    }
     c.layout(&format!("{} done", capitalized(action)), session, &body)
 }
 

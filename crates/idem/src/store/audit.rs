@@ -8,12 +8,12 @@ use crate::store::{Store, Tables};
 
 /// The audit trail: what an operator did. Every store idem has implements it.
 pub trait AuditTrail: Store {
-    /// Appends one entry.
+    /// Appends one entry; its id.
     fn append_audit(
         pool: &sqlx::Pool<Self>,
         tables: &Tables,
         entry: &AuditEntry,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
     /// The newest `limit` entries, newest first.
     fn audit_entries(
         pool: &sqlx::Pool<Self>,
@@ -22,11 +22,14 @@ pub trait AuditTrail: Store {
     ) -> impl Future<Output = Result<Vec<AuditEntry>, sqlx::Error>> + Send;
 }
 
-/// The two statements in a store's style.
+/// The two statements in a store's style: the insert (returning the new id where the database can; MySQL asks
+/// `LAST_INSERT_ID()` after it, on the same connection) and the select.
 pub(crate) fn statements(tables: &Tables, style: Style) -> (String, String) {
     let count = if style == Style::MySql { "`count`" } else { "count" };
+    let returning = if style == Style::MySql { "" } else { " RETURNING id" };
     let insert = format!(
-        "INSERT INTO {{t}}audit_log (at_ms, actor, action, subjects, {count}, outcome) VALUES (?, ?, ?, ?, ?, ?)"
+        "INSERT INTO {{t}}audit_log (at_ms, actor, action, subjects, {count}, outcome) VALUES (?, ?, ?, ?, ?, ?)\
+         {returning}"
     );
     let select = format!(
         "SELECT id, at_ms, actor, action, subjects, {count}, outcome FROM {{t}}audit_log ORDER BY id DESC LIMIT ?"
@@ -62,18 +65,24 @@ macro_rules! impl_audit {
                 pool: &sqlx::Pool<$db>,
                 tables: &$crate::store::Tables,
                 e: &$crate::audit::AuditEntry,
-            ) -> Result<(), sqlx::Error> {
+            ) -> Result<i64, sqlx::Error> {
                 let (insert, _) = $crate::store::audit::statements(tables, $style);
-                sqlx::query(&insert)
+                let mut conn = pool.acquire().await?;
+                let query = sqlx::query_as::<_, (i64,)>(&insert)
                     .bind(e.at_ms)
                     .bind(e.actor.as_str())
                     .bind(e.action.as_str())
                     .bind(e.subjects.as_str())
                     .bind(e.count)
-                    .bind(e.outcome.as_str())
-                    .execute(pool)
-                    .await?;
-                Ok(())
+                    .bind(e.outcome.as_str());
+                if $style == $crate::store::parking::Style::MySql {
+                    query.fetch_optional(&mut *conn).await?;
+                    let (id,): (i64,) =
+                        sqlx::query_as("SELECT CAST(LAST_INSERT_ID() AS SIGNED)").fetch_one(&mut *conn).await?;
+                    Ok(id)
+                } else {
+                    Ok(query.fetch_one(&mut *conn).await?.0)
+                }
             }
 
             async fn audit_entries(
