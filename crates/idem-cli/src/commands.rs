@@ -59,6 +59,7 @@ fn human_duration(seconds: f64) -> String {
 }
 
 /// Where messages are published (replayed dead letters, relayed outbox messages): one broker.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BrokerTarget {
     /// An embedded log directory.
     Log(PathBuf),

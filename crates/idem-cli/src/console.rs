@@ -87,7 +87,11 @@ pub async fn run(args: ConsoleArgs) -> anyhow::Result<ExitCode> {
     };
     let db_args = DbArgs { database_url, schema: serve.schema, table_prefix: serve.table_prefix };
     let users = users(serve.users.as_deref())?;
-    let config = ConsoleConfig { users, show_payloads: serve.show_payloads, message_type: serve.message_type };
+    let config = ConsoleConfig {
+        show_payloads: serve.show_payloads,
+        message_type: serve.message_type,
+        ..ConsoleConfig::new(users)
+    };
     let (db, tables) = Db::open_with(&db_args, "dead_letters").await?;
     let publisher = match serve.to.target() {
         Some(target) => Some(target.publisher().await?),
@@ -100,8 +104,9 @@ pub async fn run(args: ConsoleArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The users: from the file, else from the environment's tokens; none is refused.
-fn users(file: Option<&std::path::Path>) -> anyhow::Result<Users> {
+/// The users: from the file, else from the environment's tokens; none is refused (`idem console` and `idem run`'s
+/// `[console]`).
+pub fn users(file: Option<&std::path::Path>) -> anyhow::Result<Users> {
     if let Some(path) = file {
         let text = std::fs::read_to_string(path).with_context(|| format!("--users {}", path.display()))?;
         let users = Users::parse(&text).with_context(|| format!("--users {}", path.display()))?;

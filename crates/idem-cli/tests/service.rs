@@ -807,3 +807,111 @@ async fn traces_go_to_the_otlp_collector_and_an_unreachable_one_is_logged() {
     assert!(logs.contains("ExportError"), "the failed export is not logged:\n{logs}");
     assert_eq!(db.scalar(&format!("SELECT COUNT(*) FROM {p}ledger")).await, 40);
 }
+
+/// One HTTP/1.1 exchange with a bearer token; the status and the body.
+fn console_request(addr: &str, method: &str, path: &str, token: &str, body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let Ok(mut conn) = std::net::TcpStream::connect(addr) else { return (0, String::new()) };
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(request.as_bytes()).expect("write");
+    let mut raw = String::new();
+    conn.read_to_string(&mut raw).expect("read");
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    (head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0), body.to_owned())
+}
+
+/// A token and its users-file line, from `idem console token`.
+fn console_user(name: &str, role: &str) -> (String, String) {
+    let out = idem().args(["console", "token", name, "--role", role]).output().expect("idem console token");
+    let out = String::from_utf8_lossy(&out.stdout).into_owned();
+    let field = |label: &str| out.lines().find_map(|l| l.strip_prefix(label)).expect(label).to_owned();
+    (field("token: "), field("users-file line: "))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idem_run_serves_the_console_with_its_consumers_and_replays_through_their_broker() {
+    let dir = Dir::new("svc_console");
+    let db = Db::sqlite(&dir);
+    db.ledger().await;
+    let p = &db.prefix;
+    db.exec(&format!("DELETE FROM {p}accounts WHERE id = 3")).await;
+    let (lines, total) = payments(200);
+    let log = dir.path("log");
+    produce(&log, "payments", 2, &lines);
+    let (alice, alice_line) = console_user("alice", "operator");
+    let (bob, bob_line) = console_user("bob", "viewer");
+    let users = dir.write("users.txt", &format!("{alice_line}\n{bob_line}\n"));
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
+    let addr = format!("127.0.0.1:{port}");
+    let console = format!("\n[console]\nlisten = \"{addr}\"\nusers = \"{}\"\n", users.display());
+    let base = db.database_toml() + &ledger_consumer(&db, &log, 10);
+    let config = dir.write("idem.toml", &(base.clone() + &console));
+
+    // A users file that names nobody, and a bad address, are refused before anything runs.
+    let empty = dir.write("nobody.txt", "# no users yet\n");
+    let (ok, out) = check(
+        &dir,
+        &(base.clone() + &console.replace(&users.display().to_string(), &empty.display().to_string())),
+        &[],
+    );
+    assert!(!ok && out.contains("console.users") && out.contains("names no user"), "{out}");
+    let (ok, out) = check(&dir, &(base + &console.replace(&addr, "localhost")), &[]);
+    assert!(!ok && out.contains("console.listen"), "{out}");
+
+    let mut child = idem()
+        .args(["run", "--config"])
+        .arg(&config)
+        .env_remove("IDEM_CONSOLE_TOKEN")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("idem run");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let dead = loop {
+        let (status, body) = console_request(&addr, "GET", "/api/v1/dead-letters", &bob, "");
+        if status == 200 {
+            let page: serde_json::Value = serde_json::from_str(&body).expect("json");
+            if page["total"] == 20 {
+                break page;
+            }
+        }
+        assert!(Instant::now() < deadline, "the console did not show the 20 payments to account 3: {status} {body}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(dead["items"][0]["consumer_group"], "ledger");
+
+    // The consumers of the process, and the kill switch's resume: operators only, audited by the consumer.
+    let (status, body) = console_request(&addr, "GET", "/api/v1/consumers", &bob, "");
+    let consumers: serde_json::Value = serde_json::from_str(&body).expect("json");
+    assert_eq!(
+        (status, &consumers[0]["group"], &consumers[0]["running"]),
+        (200, &"ledger".into(), &true.into()),
+        "{body}"
+    );
+    assert_eq!(console_request(&addr, "POST", "/api/v1/consumers/ledger/resume", &bob, "").0, 403);
+    let (status, body) = console_request(&addr, "POST", "/api/v1/consumers/ledger/resume", &alice, "");
+    assert!(status == 200 && body.contains("\"was_paused\":false"), "{status} {body}");
+    assert_eq!(console_request(&addr, "POST", "/api/v1/consumers/nobody/resume", &alice, "").0, 404);
+
+    // The cause fixed, the console replays the group through the consumer's own log; the running consumer applies it.
+    db.exec(&format!("INSERT INTO {p}accounts (id) VALUES (3)")).await;
+    let (status, body) = console_request(&addr, "POST", "/api/v1/dead-letters/replay", &alice, r#"{"all": true}"#);
+    assert!(status == 200 && body.contains("\"replayed\":["), "{status} {body}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while db.scalar(&format!("SELECT COUNT(*) FROM {p}ledger")).await < 200 {
+        assert!(Instant::now() < deadline, "the replayed payments were not applied");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(db.scalar(&format!("SELECT CAST(SUM(balance) AS BIGINT) FROM {p}accounts")).await, total);
+    let (_, audit) = console_request(&addr, "GET", "/api/v1/audit", &bob, "");
+    assert!(audit.contains("\"actor\":\"alice (console)\"") && audit.contains("\"action\":\"resume\""), "{audit}");
+    assert!(audit.contains("\"action\":\"dead-letters replay\""), "{audit}");
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().expect("exit");
+    assert!(status.success(), "{status:?}");
+}

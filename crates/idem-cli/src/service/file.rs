@@ -26,6 +26,24 @@ pub struct File {
     /// The consumers; each runs its own engine on the shared pool.
     #[serde(rename = "consumer", default)]
     pub consumers: Vec<Spanned<Consumer>>,
+    /// The operator console beside the consumers (off without the section).
+    pub console: Option<Spanned<ConsoleSection>>,
+}
+
+/// `[console]`: the operator console, served by `idem run` with this process's consumers.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConsoleSection {
+    /// Where to listen (default `127.0.0.1:9500`).
+    pub listen: Option<Spanned<String>>,
+    /// The users file (`NAME ROLE sha256:HEX` lines); without it, `IDEM_CONSOLE_TOKEN` (an operator) and
+    /// `IDEM_CONSOLE_VIEWER_TOKEN`.
+    pub users: Option<Spanned<String>>,
+    /// Show payloads (they may hold personal data). Default false.
+    #[serde(default)]
+    pub show_payloads: bool,
+    /// Where messages say their type: `header:NAME` or `json:/POINTER`.
+    pub message_type: Option<Spanned<String>>,
 }
 
 /// `[database]`.

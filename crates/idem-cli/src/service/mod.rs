@@ -27,6 +27,7 @@ use idem::Engine;
 use idem::embedded::{ConsumerOptions, EmbeddedLog};
 use tokio::sync::watch;
 
+use crate::commands::BrokerTarget;
 use crate::db::Db;
 use crate::signals::Signals;
 use crate::with_pool;
@@ -197,6 +198,9 @@ async fn serve<DB: ServiceDb>(
         engines.push(engine);
         running.push((consumer.name.clone(), future));
     }
+    if let Some(console) = &plan.console {
+        serve_console(&pool, &plan, console, &engines).await?;
+    }
     if let Some(addr) = plan.listen {
         let recorder = idem::http::install_recorder()?;
         let bound = idem::http::serve(addr, recorder, engines).await?;
@@ -221,6 +225,50 @@ async fn serve<DB: ServiceDb>(
         }
     }
     failed.map_or(Ok(()), Err)
+}
+
+/// Serves `[console]` with this process's consumers; replays go to the broker the consumers share (none when they
+/// use different brokers: the console says so when asked to replay).
+async fn serve_console<DB: ServiceDb>(
+    pool: &sqlx::Pool<DB>,
+    plan: &Plan,
+    console: &plan::ConsolePlan,
+    engines: &[Engine<DB>],
+) -> anyhow::Result<()> {
+    let targets: Vec<BrokerTarget> = plan.consumers.iter().map(|c| broker_of(&c.source)).collect();
+    let shared = targets.first().filter(|first| targets.iter().all(|t| t == *first));
+    let publisher = match shared {
+        Some(target) => Some(target.publisher().await.context("[console]: the broker replays go to")?),
+        None => {
+            tracing::warn!(
+                "[console]: the consumers use different brokers, so the console cannot replay; use `idem console` with the broker's flags"
+            );
+            None
+        }
+    };
+    let config = idem::console::ConsoleConfig {
+        users: console.users.clone(),
+        show_payloads: console.show_payloads,
+        message_type: console.message_type.clone(),
+        consumers: idem::console::Consumers::of(engines),
+    };
+    let tables = plan.database.tables.clone();
+    let bound =
+        idem::console::serve(console.listen, pool.clone(), tables, publisher, config).await.context("[console]")?;
+    tracing::info!(%bound, "serving the operator console");
+    Ok(())
+}
+
+/// The broker a consumer reads from, as the replays' target.
+fn broker_of(source: &SourcePlan) -> BrokerTarget {
+    match source {
+        SourcePlan::Embedded { dir, .. } => BrokerTarget::Log(PathBuf::from(dir)),
+        SourcePlan::Kafka { brokers, .. } => BrokerTarget::Kafka(brokers.clone()),
+        SourcePlan::Nats { url, .. } => BrokerTarget::Nats(url.clone()),
+        SourcePlan::Rabbit { url, .. } => BrokerTarget::Rabbitmq(url.clone()),
+        SourcePlan::Sqs { endpoint, .. } => BrokerTarget::Sqs(endpoint.clone().unwrap_or_else(|| "aws".to_owned())),
+        SourcePlan::PubSub { project, .. } => BrokerTarget::PubSub(project.clone().unwrap_or_default()),
+    }
 }
 
 fn whose(consumer: &ConsumerPlan) -> String {

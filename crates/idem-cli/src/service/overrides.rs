@@ -14,7 +14,11 @@ use toml::Spanned;
 use toml::de::{DeTable, DeValue};
 
 /// The sections a key path starts with.
-const SECTIONS: [&str; 3] = ["database", "operations", "consumer"];
+const SECTIONS: [&str; 4] = ["database", "operations", "consumer", "console"];
+
+/// Variables that start like a section's keys but are settings of their own, not overrides.
+const NOT_OVERRIDES: [&str; 4] =
+    ["IDEM_DATABASE_URL", "IDEM_CONSOLE_TOKEN", "IDEM_CONSOLE_VIEWER_TOKEN", "IDEM_CONSOLE_USERS"];
 
 /// A consumer's keys that declare what each event does: the program, not its environment.
 const PROGRAM: [&str; 4] = ["effect", "bulk", "emit", "params"];
@@ -44,7 +48,7 @@ impl Override {
                 let lower = rest.to_ascii_lowercase();
                 let path: Vec<String> = if lower.contains("__") {
                     lower.split("__").map(str::to_owned).collect()
-                } else if var != "IDEM_DATABASE_URL"
+                } else if !NOT_OVERRIDES.contains(&var.as_str())
                     && SECTIONS.iter().any(|s| lower == *s || lower.starts_with(&format!("{s}_")))
                 {
                     Vec::new()

@@ -419,3 +419,50 @@ pub async fn audit<DB: Backend, P: Publisher + 'static>(
         Err(e) => database(&e),
     }
 }
+
+/// `GET /api/v1/consumers`: this process's consumers (none for a console started alone).
+pub async fn consumers<DB: Backend, P: Publisher + 'static>(
+    State(c): State<Arc<Console<DB, P>>>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err((status, why)) = c.api_user(&headers, Role::Viewer) {
+        return error(status, &why);
+    }
+    Json(c.config.consumers.json()).into_response()
+}
+
+/// `POST /api/v1/consumers/{group}/resume`: closes the consumer's tripped kill switch (the consumer writes the
+/// audit entry, naming the user).
+pub async fn resume<DB: Backend, P: Publisher + 'static>(
+    State(c): State<Arc<Console<DB, P>>>,
+    headers: HeaderMap,
+    group: Result<Path<String>, PathRejection>,
+) -> Response {
+    let user = match c.api_user(&headers, Role::Operator) {
+        Ok(user) => user,
+        Err((status, why)) => return error(status, &why),
+    };
+    let Ok(Path(group)) = group else {
+        return error(StatusCode::BAD_REQUEST, "group: a consumer group's name in UTF-8");
+    };
+    match c.resume(&user, &group) {
+        Ok(was_paused) => Json(serde_json::json!({ "group": group, "was_paused": was_paused })).into_response(),
+        Err((status, why)) => error(status, &why),
+    }
+}
+
+impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
+    /// Resumes consumer `group` as `user`; whether it was paused.
+    pub(crate) fn resume(&self, user: &User, group: &str) -> Result<bool, Refusal> {
+        let consumer = self.config.consumers.find(group).ok_or_else(|| {
+            let known: Vec<String> = self.config.consumers.0.iter().map(|c| c.group()).collect();
+            let known = if known.is_empty() {
+                "this console runs alone: resume a consumer on its own operations endpoint (POST /resume)".to_owned()
+            } else {
+                format!("this process runs {}", known.join(", "))
+            };
+            (StatusCode::NOT_FOUND, format!("no consumer `{group}` here: {known}"))
+        })?;
+        Ok(consumer.resume_as(&format!("{} (console)", user.name)))
+    }
+}

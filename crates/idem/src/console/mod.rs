@@ -20,6 +20,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod consumers;
 pub mod openapi;
 pub mod page;
 
@@ -32,6 +33,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
 pub use auth::{Role, User, Users};
+pub use consumers::{ConsumerView, Consumers};
 
 use crate::audit::AuditEntry;
 use crate::error::Error;
@@ -48,12 +50,15 @@ pub struct ConsoleConfig {
     /// Where messages say their type, part of the failure groups' fingerprints (`header:NAME` or
     /// `json:/POINTER`); the same setting as the command line's `--message-type`.
     pub message_type: Option<String>,
+    /// The consumers of this process, shown with their state and resumed after their kill switch tripped (none
+    /// for a console started alone).
+    pub consumers: Consumers,
 }
 
 impl ConsoleConfig {
-    /// A console for `users`, payloads hidden.
+    /// A console for `users`, payloads hidden, no consumers of its own.
     pub fn new(users: Users) -> ConsoleConfig {
-        ConsoleConfig { users, show_payloads: false, message_type: None }
+        ConsoleConfig { users, show_payloads: false, message_type: None, consumers: Consumers::default() }
     }
 }
 
@@ -146,11 +151,15 @@ pub fn router<DB: Backend, P: Publisher + 'static>(
         .route("/api/v1/dead-letters/replay", post(api::replay::<DB, P>))
         .route("/api/v1/dead-letters/discard", post(api::discard::<DB, P>))
         .route("/api/v1/parked", get(api::parked::<DB, P>))
+        .route("/api/v1/consumers", get(api::consumers::<DB, P>))
+        .route("/api/v1/consumers/{group}/resume", post(api::resume::<DB, P>))
         .route("/api/v1/audit", get(api::audit::<DB, P>))
         .route("/", get(page::groups::<DB, P>))
         .route("/dead-letters", get(page::dead_letters::<DB, P>))
         .route("/dead-letters/{id}", get(page::dead_letter::<DB, P>))
         .route("/parked", get(page::parked::<DB, P>))
+        .route("/consumers", get(page::consumers::<DB, P>))
+        .route("/consumers/{group}/resume", post(page::resume::<DB, P>))
         .route("/audit", get(page::audit::<DB, P>))
         .route("/actions/{action}", post(page::act::<DB, P>))
         .route("/login", get(page::login_form).post(page::login::<DB, P>))

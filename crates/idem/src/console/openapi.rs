@@ -104,6 +104,16 @@ fn action(summary: &str, request: &str, ok: &str) -> Value {
     op
 }
 
+fn resume() -> Value {
+    let group = json!({ "name": "group", "in": "path", "required": true, "schema": { "type": "string" } });
+    operation(
+        "Close a consumer's tripped kill switch (the consumer writes the audit entry).",
+        vec![group],
+        answer("Whether it was paused.", reference("Resumed")),
+        &[("403", "The user is a viewer."), ("404", "No such consumer in this process.")],
+    )
+}
+
 fn string() -> Value {
     json!({ "type": "string" })
 }
@@ -173,6 +183,13 @@ pub fn document() -> Value {
                 answer("The parked messages.", json!({ "type": "array", "items": reference("ParkedMessage") })),
                 &[],
             ) },
+            "/api/v1/consumers": { "get": operation(
+                "This process's consumers (none for a console started alone).",
+                vec![],
+                answer("The consumers.", json!({ "type": "array", "items": reference("Consumer") })),
+                &[],
+            ) },
+            "/api/v1/consumers/{group}/resume": { "post": resume() },
             "/api/v1/audit": { "get": operation(
                 "The audit trail, newest first.",
                 listing(false),
@@ -224,6 +241,12 @@ pub fn document() -> Value {
                     "audit_id": { "type": "integer", "format": "int64", "nullable": true, "description": "The audit trail's entry (none for a dry run)." },
                 }), &["dry_run", "left", "audit_id"]),
                 "ParkedMessage": { "type": "object", "properties": { "id": integer(), "consumer_group": string(), "event_id": string() }, "required": ["id", "consumer_group", "event_id"] },
+                "Consumer": object(json!({
+                    "group": string(), "ready": { "type": "boolean" }, "running": { "type": "boolean" },
+                    "draining": { "type": "boolean" }, "paused": { "type": "boolean" }, "partitions": { "type": "integer" },
+                    "stalled": { "type": "array", "items": { "type": "object" } }, "stats": { "type": "object" },
+                }), &["group", "ready", "running", "draining", "paused", "partitions", "stalled", "stats"]),
+                "Resumed": object(json!({ "group": string(), "was_paused": { "type": "boolean" } }), &["group", "was_paused"]),
                 "AuditEntry": object(json!({
                     "id": integer(), "at": string(), "actor": string(), "action": string(), "subjects": string(),
                     "count": integer(), "outcome": string(),

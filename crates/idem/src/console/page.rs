@@ -78,7 +78,7 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
 <html lang="en"><head><meta charset="utf-8"><title>{title} · idem console</title>
 <link rel="stylesheet" href="/static/console.css"></head>
 <body><header><strong>idem</strong>
-<nav><a href="/">Failure groups</a> <a href="/dead-letters">Dead letters</a> <a href="/parked">Parked</a> <a href="/audit">Audit trail</a></nav>
+<nav><a href="/">Failure groups</a> <a href="/dead-letters">Dead letters</a> <a href="/parked">Parked</a> <a href="/consumers">Consumers</a> <a href="/audit">Audit trail</a></nav>
 <form method="post" action="/logout" class="who"><span id="user">{name} ({role})</span>
 <input type="hidden" name="csrf" value="{csrf}"><button>Sign out</button></form></header>
 <main><h1>{title}</h1>
@@ -646,4 +646,100 @@ pub async fn audit<DB: Backend, P: Publisher + 'static>(
     }
     body.push_str("</table>");
     c.layout("Audit trail", &session, &body)
+}
+
+/// `GET /consumers`: this process's consumers, and the kill switch's resume for a paused one.
+pub async fn consumers<DB: Backend, P: Publisher + 'static>(
+    State(c): State<Arc<Console<DB, P>>>,
+    headers: HeaderMap,
+) -> Response {
+    let Some(session) = signed_in(&c, &headers) else {
+        return to_sign_in();
+    };
+    let consumers = &c.config.consumers.0;
+    if consumers.is_empty() {
+        let body = r#"<p class="note" id="alone">This console runs alone (<code>idem console</code>): its consumers run in other processes, each with its own operations endpoint (<code>/readyz</code>, <code>POST /resume</code>). Give <code>idem run</code> a <code>[console]</code> section to see them here.</p>"#;
+        return c.layout("Consumers", &session, body);
+    }
+    let mut body = String::from(
+        "<table id=\"consumers\"><tr><th>Consumer group</th><th>State</th><th>Partitions</th><th>Stalled</th><th>Processed</th><th>Duplicates</th><th>Dead-lettered</th><th>Parked</th><th></th></tr>",
+    );
+    let csrf = esc(&session.csrf);
+    for consumer in consumers {
+        let (health, stats, group) = (consumer.health(), consumer.stats(), consumer.group());
+        let state = match (health.running, health.draining, health.paused) {
+            (_, _, true) => "paused: the kill switch tripped",
+            (true, true, _) => "draining",
+            (true, false, _) => "consuming",
+            (false, _, _) => "stopped",
+        };
+        let stalled: Vec<String> = health
+            .stalled
+            .iter()
+            .map(|s| format!("{}/{} ({} s, {} waiting)", esc(&s.topic), s.partition, s.seconds, s.waiting))
+            .collect();
+        let resume = if health.paused && session.user.role >= Role::Operator {
+            format!(
+                r#"<form method="post" action="/consumers/{g}/resume"><input type="hidden" name="csrf" value="{csrf}"><button class="resume">Resume</button></form>"#,
+                g = q(&group)
+            )
+        } else {
+            String::new()
+        };
+        let _ = write!(
+            body,
+            "<tr><td>{}</td><td>{state}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{resume}</td></tr>",
+            esc(&group),
+            health.partitions,
+            if stalled.is_empty() { "-".to_owned() } else { stalled.join(", ") },
+            stats.processed,
+            stats.duplicate,
+            stats.dead_lettered,
+            stats.parked,
+        );
+    }
+    body.push_str("</table>");
+    c.layout("Consumers", &session, &body)
+}
+
+/// `POST /consumers/{group}/resume`.
+pub async fn resume<DB: Backend, P: Publisher + 'static>(
+    State(c): State<Arc<Console<DB, P>>>,
+    headers: HeaderMap,
+    Path(group): Path<String>,
+    Form(form): Form<Vec<(String, String)>>,
+) -> Response {
+    if let Err(why) = same_origin(&headers) {
+        return failed(StatusCode::FORBIDDEN, &why);
+    }
+    let Some((_, session)) = c.session(&headers) else {
+        return failed(StatusCode::UNAUTHORIZED, "sign in first: /login");
+    };
+    if !csrf_ok(&session, field(&form, "csrf").unwrap_or_default()) {
+        return failed(StatusCode::FORBIDDEN, "this form has no valid CSRF token: reload the page and try again");
+    }
+    if session.user.role < Role::Operator {
+        return failed(
+            StatusCode::FORBIDDEN,
+            &format!("{} is a viewer: acting needs the operator role", session.user.name),
+        );
+    }
+    let body = match c.resume(&session.user, &group) {
+        Ok(true) => format!(
+            r#"<p id="done">{} resumed: it tries the message that tripped the kill switch again.</p>"#,
+            esc(&group)
+        ),
+        Ok(false) => format!(r#"<p id="done">{} was not paused.</p>"#, esc(&group)),
+        Err((status, why)) => {
+            let mut page =
+                c.layout("Not done", &session, &format!(r#"<p class="error" id="refused">{}</p>"#, esc(&why)));
+            *page.status_mut() = status;
+            return page;
+        }
+    };
+    c.layout(
+        "Resume",
+        &session,
+        &format!(r#"{body}<p><a href="/consumers">Consumers</a> · <a href="/audit">Audit trail</a></p>"#),
+    )
 }

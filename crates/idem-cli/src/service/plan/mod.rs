@@ -33,6 +33,8 @@ pub struct Plan {
     pub listen: Option<SocketAddr>,
     /// The consumers.
     pub consumers: Vec<ConsumerPlan>,
+    /// The operator console, when the file has a `[console]` section.
+    pub console: Option<ConsolePlan>,
     /// Where the lines named in problems came from (the file or an `IDEM_…__…` variable).
     pub origins: Origins,
 }
@@ -64,6 +66,19 @@ pub struct ConsumerPlan {
     pub guard_line: usize,
     /// The Sequential Inbox.
     pub inbox: Option<InboxConfig>,
+}
+
+/// The operator console of `idem run`, checked.
+#[derive(Debug)]
+pub struct ConsolePlan {
+    /// Where it listens.
+    pub listen: SocketAddr,
+    /// Who may sign in.
+    pub users: idem::console::Users,
+    /// Show payloads.
+    pub show_payloads: bool,
+    /// Where messages say their type.
+    pub message_type: Option<String>,
 }
 
 /// Collects problems while the plan is built.
@@ -98,6 +113,7 @@ pub fn plan(text: &Text, file: File) -> Result<Plan, Vec<Problem>> {
                 })
                 .ok()
         });
+    let console = file.console.as_ref().and_then(|section| console_plan(&mut problems, section));
     if file.consumers.is_empty() {
         problems.line(1, "consumer", "the file declares no [[consumer]]: add one (see the README's complete file)");
     }
@@ -133,9 +149,55 @@ pub fn plan(text: &Text, file: File) -> Result<Plan, Vec<Problem>> {
     }
     problems.found.sort_by_key(|p| p.line);
     match (database, problems.found.is_empty()) {
-        (Some(database), true) => Ok(Plan { database, listen, consumers, origins: text.origins().clone() }),
+        (Some(database), true) => Ok(Plan { database, listen, consumers, console, origins: text.origins().clone() }),
         _ => Err(problems.found),
     }
+}
+
+/// `[console]` checked: the address parses, the users file reads and names a user (or a token is in the
+/// environment), the message type parses.
+fn console_plan(problems: &mut Problems<'_>, section: &Spanned<super::file::ConsoleSection>) -> Option<ConsolePlan> {
+    let c = section.get_ref();
+    let listen = match &c.listen {
+        Some(listen) => {
+            let value = expanded(problems, listen, "console.listen")?;
+            match value.parse::<SocketAddr>() {
+                Ok(addr) => addr,
+                Err(_) => {
+                    let why = format!("`{value}` is not an address: write host:port with an IP, e.g. 127.0.0.1:9500");
+                    problems.at(listen, "console.listen", why);
+                    return None;
+                }
+            }
+        }
+        None => SocketAddr::from(([127, 0, 0, 1], 9500)),
+    };
+    let users_file = match &c.users {
+        Some(users) => Some((users, expanded(problems, users, "console.users")?)),
+        None => None,
+    };
+    let users = match crate::console::users(users_file.as_ref().map(|(_, path)| std::path::Path::new(path.as_str()))) {
+        Ok(users) => users,
+        Err(e) => {
+            match &users_file {
+                Some((spanned, _)) => problems.at(spanned, "console.users", format!("{e:#}")),
+                None => problems.at(section, "console", format!("{e:#}")),
+            }
+            return None;
+        }
+    };
+    let message_type = match &c.message_type {
+        Some(spanned) => {
+            let value = expanded(problems, spanned, "console.message_type")?;
+            if let Err(e) = idem::dead_letter::groups::MessageType::parse(&value) {
+                problems.at(spanned, "console.message_type", e);
+                return None;
+            }
+            Some(value)
+        }
+        None => None,
+    };
+    Some(ConsolePlan { listen, users, show_payloads: c.show_payloads, message_type })
 }
 
 fn expanded(problems: &mut Problems<'_>, value: &Spanned<String>, key: &str) -> Option<String> {
