@@ -96,7 +96,7 @@ pub async fn run(command: AuditCommand) -> anyhow::Result<ExitCode> {
             "id", "at", "actor", "action", "count", "outcome"
         );
         for e in &entries {
-            let ok = e.outcome == "ok";
+            let ok = e.outcome.starts_with("ok");
             println!(
                 "{:>6}  {:<24}  {:<actor$}  {:<action$}  {:>6}  {:<7} {}",
                 e.id,
@@ -108,7 +108,7 @@ pub async fn run(command: AuditCommand) -> anyhow::Result<ExitCode> {
                 e.subjects
             );
             if !ok {
-                println!("{:>8}{}", "", e.outcome);
+                println!("{:>8}{}", "", e.outcome.strip_prefix("failed: ").unwrap_or(&e.outcome));
             }
         }
     }

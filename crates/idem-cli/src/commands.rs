@@ -227,6 +227,16 @@ pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -
         anyhow::bail!("--batch-size 0: use at least 1 (default 10000)");
     }
     let (db, tables) = Db::open_with(args, "processed_events").await?;
+    let period = match &db {
+        Db::Postgres(pool) => idem::store::partitions::stored_period(pool, &tables).await?,
+        Db::Sqlite(_) | Db::Mysql(_) => None,
+    };
+    if period.is_some() && group.is_some() {
+        bail!(
+            "--group: the partitioned marker table holds every group's markers in each partition, so one group's \
+             cannot be pruned alone; prune without --group, or give each group its own --table-prefix"
+        );
+    }
     let archive = prune_archive(&db, &tables, options).await;
     if let Some(failed) = &archive.failed {
         // The markers are pruned whatever becomes of the archive.
@@ -245,24 +255,21 @@ pub async fn prune(args: &DbArgs, retention: &str, options: &PruneOptions<'_>) -
         );
     }
     let subjects = format!(
-        "markers older than {retention_text}{}; archived dead letters older than {}{}",
+        "markers older than {retention_text}{}; archived dead letters older than {} ({} deleted){}",
         group.map(|g| format!(" of group {g}")).unwrap_or_default(),
         exact_duration(archive_expiry),
+        archive.deleted,
         if force { ", forced" } else { "" }
     );
-    let pruned = prune_markers(&db, &tables, retention, retention_text, options, &archive).await;
+    let pruned = prune_markers(&db, &tables, period, retention, retention_text, options, &archive).await;
     if !dry_run {
         let count = pruned.as_ref().map_or(0, |deleted| i64::try_from(*deleted).unwrap_or(i64::MAX));
-        crate::audit::note(
-            &db,
-            &tables,
-            actor,
-            "prune",
-            subjects,
-            &pruned.as_ref().map_err(|e| format!("{e:#}")),
-            count,
-        )
-        .await;
+        let outcome = match (&pruned, &archive.failed) {
+            (Ok(_), None) => Ok(()),
+            (Ok(_), Some(failed)) => Err(format!("the markers were pruned, the archive was not: {failed}")),
+            (Err(e), _) => Err(format!("{e:#}")),
+        };
+        crate::audit::note(&db, &tables, actor, "prune", subjects, &outcome, count).await;
     }
     pruned?;
     Ok(ExitCode::SUCCESS)
@@ -289,21 +296,14 @@ async fn prune_archive(db: &Db, tables: &Tables, options: &PruneOptions<'_>) -> 
 async fn prune_markers(
     db: &Db,
     tables: &Tables,
+    period: Option<idem::PartitionPeriod>,
     retention: std::time::Duration,
     retention_text: &str,
     options: &PruneOptions<'_>,
     archive: &ArchivePrune,
 ) -> anyhow::Result<u64> {
     let PruneOptions { group, ref pruning, dry_run, json, create_ahead, .. } = *options;
-    if let Db::Postgres(pool) = db
-        && let Some(period) = idem::store::partitions::stored_period(pool, tables).await?
-    {
-        if group.is_some() {
-            bail!(
-                "--group: the partitioned marker table holds every group's markers in each partition, so one \
-                 group's cannot be pruned alone; prune without --group, or give each group its own --table-prefix"
-            );
-        }
+    if let (Db::Postgres(pool), Some(period)) = (db, period) {
         let partitioned = Partitioned { period, retention, create_ahead: create_ahead.max(1), dry_run, json };
         return prune_partitions(pool, tables, &partitioned, archive).await;
     }

@@ -8,7 +8,7 @@ use clap::Subcommand;
 use idem::Tables;
 use idem::dead_letter::groups::fingerprint_of;
 use idem::dead_letter::selection::{Chosen, Filter, FilterSpec, Taken, join};
-use idem::dead_letter::{Safety, Tally};
+use idem::dead_letter::{Replayed, Safety, Tally};
 use idem::store::DeadLetter;
 
 use crate::DbArgs;
@@ -285,9 +285,9 @@ async fn replay(
     let refused_subjects = format!("{}{forced}", chosen.subjects(&[]));
     let letters = taken(&db, &tables, chosen, how, "replay", refused_subjects).await?;
     let tally = if how.dry_run {
-        with_pool!(&db, pool => idem::dead_letter::check_each(pool, &tables, &letters, safety).await)
+        with_pool!(&db, pool => idem::dead_letter::check_each(pool, &tables, &letters, safety, |l, r| progress(how, l, r)).await)
     } else {
-        let tally = replay_to(&db, &tables, target, &letters, safety).await;
+        let tally = replay_to(&db, &tables, target, &letters, safety, how).await;
         let taken: Vec<i64> = letters.iter().map(|l| l.id).collect();
         let subjects = format!("{}{forced}", chosen.subjects(&taken));
         let count = tally.as_ref().map_or(0, |t| t.replayed.len() as i64);
@@ -300,7 +300,8 @@ async fn replay(
     };
     report(&tally, how);
     if let Some(error) = &tally.stopped_by {
-        bail!("the replay stopped after {} dead letter(s): {error}", tally.replayed.len());
+        let (what, done) = if how.dry_run { ("check", "checked") } else { ("replay", "replayed") };
+        bail!("the {what} stopped after {} dead letter(s) {done}: {error}", tally.replayed.len());
     }
     // A dry run did what it was asked (its report says which would be refused); a replay that refused some fails.
     if !tally.refused.is_empty() && !how.dry_run {
@@ -309,22 +310,27 @@ async fn replay(
     Ok(ExitCode::SUCCESS)
 }
 
-/// Prints what a replay did: a line per letter, or one JSON object.
+/// A line per letter as the replay (or its dry run) goes, in the human form.
+fn progress(how: &Acting, letter: &DeadLetter, replayed: Replayed) {
+    if how.json {
+        return;
+    }
+    let event = letter.event_id.as_deref().unwrap_or("no key");
+    match replayed {
+        Replayed::Published if how.dry_run => println!("would replay {} ({event})", letter.id),
+        Replayed::Published => println!("replayed {} ({event})", letter.id),
+        Replayed::Gone => println!("{}: gone (replayed or discarded meanwhile)", letter.id),
+        Replayed::Refused(risk) => eprintln!("refused: {}", risk.explain(letter)),
+    }
+}
+
+/// Prints what a replay did at its end: the summary, or one JSON object.
 fn report(tally: &Tally, how: &Acting) {
     if how.json {
         println!("{}", tally.json(how.dry_run));
         return;
     }
-    let (verb, summary) = if how.dry_run { ("would replay", "would be replayed") } else { ("replayed", "replayed") };
-    for id in &tally.replayed {
-        println!("{verb} {id}");
-    }
-    for id in &tally.gone {
-        println!("{id}: gone (replayed or discarded meanwhile)");
-    }
-    for (_, _, why) in &tally.refused {
-        eprintln!("refused: {why}");
-    }
+    let summary = if how.dry_run { "would be replayed" } else { "replayed" };
     println!("{} dead letter(s) {summary}", tally.replayed.len());
     if !tally.refused.is_empty() {
         eprintln!("{} dead letter(s) refused (see above); nothing was published for them", tally.refused.len());
@@ -338,9 +344,11 @@ async fn replay_to(
     target: &BrokerTarget,
     letters: &[DeadLetter],
     safety: Safety,
+    how: &Acting,
 ) -> anyhow::Result<Tally> {
     let publisher = target.publisher().await?;
-    Ok(with_pool!(db, pool => idem::dead_letter::replay_each(pool, tables, &publisher, letters, safety).await))
+    Ok(with_pool!(db, pool =>
+        idem::dead_letter::replay_each(pool, tables, &publisher, letters, safety, |l, r| progress(how, l, r)).await))
 }
 
 async fn discard(args: &DbArgs, chosen: &Chosen<'_>, reason: &str, how: &Acting) -> anyhow::Result<ExitCode> {

@@ -153,7 +153,7 @@ pub struct Pruning {
     /// Pause between two statements, so the consumer keeps the table. Default 200 ms.
     pub pause: Duration,
     /// Discarded dead letters stay in the archive this long, then the background pruner deletes them
-    /// (`idem prune --archive-expiry` in one pass). Default 30 days; under an hour is refused.
+    /// (`idem prune --archive-expiry` in one pass). Default 30 days; under a day is refused.
     pub archive_expiry: Duration,
 }
 
@@ -289,9 +289,9 @@ impl Config {
                     .into(),
             ));
         }
-        if self.pruning.archive_expiry < Duration::from_secs(3_600) {
+        if self.pruning.archive_expiry < Duration::from_secs(86_400) {
             return Err(Error::Config(
-                "pruning.archive_expiry (dead_letter_archive_expiry) is under an hour: the archive is the record of \
+                "pruning.archive_expiry (dead_letter_archive_expiry) is under a day: the archive is the record of \
                  which dead letters were discarded, by whom and why; keep it at least a day (default 30 days)"
                     .into(),
             ));

@@ -75,6 +75,12 @@ impl ReplayRisk {
                  TEXT`",
                 letter.id, letter.consumer_group, letter.id
             ),
+            ReplayRisk::IdReused => format!(
+                "dead letter {} is an event whose id was already used by another event: a copy under the same id \
+                 would be refused again. Fix the producer and publish it under a new id, then discard this one with \
+                 `idem dead-letters discard {} --reason TEXT`",
+                letter.id, letter.id
+            ),
             ReplayRisk::AppliedSince => format!(
                 "dead letter {}'s event {:?} was applied by consumer group {:?} after it failed at {failed} (its \
                  marker is newer): a replay would apply it twice. Discard it with `idem dead-letters discard {} \
@@ -96,7 +102,9 @@ pub async fn replay<DB: Backend, P: Publisher>(
     letter: &DeadLetter,
     safety: Safety,
 ) -> Result<Replayed, Error> {
-    refuse_reused_id(letter)?;
+    if reused_id(letter) {
+        return Ok(Replayed::Refused(ReplayRisk::IdReused));
+    }
     match DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, false).await? {
         ReplayStart::Started => {}
         ReplayStart::Gone => return Ok(Replayed::Gone),
@@ -118,7 +126,9 @@ pub async fn check_replay<DB: Backend>(
     letter: &DeadLetter,
     safety: Safety,
 ) -> Result<Replayed, Error> {
-    refuse_reused_id(letter)?;
+    if reused_id(letter) {
+        return Ok(Replayed::Refused(ReplayRisk::IdReused));
+    }
     Ok(match DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, true).await? {
         ReplayStart::Started => Replayed::Published,
         ReplayStart::Gone => Replayed::Gone,
@@ -182,22 +192,28 @@ impl ReplayRisk {
         match self {
             ReplayRisk::MarkersPruned => "markers_pruned",
             ReplayRisk::AppliedSince => "applied_since",
+            ReplayRisk::IdReused => "id_reused",
         }
     }
 }
 
-/// Replays `letters` in order through `publisher`; the first error stops the run (see [`Tally::stopped_by`]).
+/// Replays `letters` in order through `publisher`, telling `on_each` how each went as it goes; the first error
+/// stops the run (see [`Tally::stopped_by`]).
 pub async fn replay_each<DB: Backend, P: Publisher>(
     pool: &sqlx::Pool<DB>,
     tables: &Tables,
     publisher: &P,
     letters: &[DeadLetter],
     safety: Safety,
+    mut on_each: impl FnMut(&DeadLetter, Replayed) + Send,
 ) -> Tally {
     let mut tally = Tally::default();
     for letter in letters {
         match replay(pool, tables, publisher, letter, safety).await {
-            Ok(replayed) => tally.count(letter, replayed),
+            Ok(replayed) => {
+                on_each(letter, replayed);
+                tally.count(letter, replayed);
+            }
             Err(error) => {
                 tally.stopped_by = Some(format!("dead letter {}: {error}", letter.id));
                 break;
@@ -207,17 +223,21 @@ pub async fn replay_each<DB: Backend, P: Publisher>(
     tally
 }
 
-/// What [`replay_each`] would do now, changing nothing (a dry run).
+/// What [`replay_each`] would do now, changing nothing (a dry run), told to `on_each` as it goes.
 pub async fn check_each<DB: Backend>(
     pool: &sqlx::Pool<DB>,
     tables: &Tables,
     letters: &[DeadLetter],
     safety: Safety,
+    mut on_each: impl FnMut(&DeadLetter, Replayed) + Send,
 ) -> Tally {
     let mut tally = Tally::default();
     for letter in letters {
         match check_replay(pool, tables, letter, safety).await {
-            Ok(replayed) => tally.count(letter, replayed),
+            Ok(replayed) => {
+                on_each(letter, replayed);
+                tally.count(letter, replayed);
+            }
             Err(error) => {
                 tally.stopped_by = Some(format!("dead letter {}: {error}", letter.id));
                 break;
@@ -228,16 +248,8 @@ pub async fn check_each<DB: Backend>(
 }
 
 /// An id-reuse dead letter cannot be replayed under its id.
-fn refuse_reused_id(letter: &DeadLetter) -> Result<(), Error> {
-    if letter.error.starts_with(ID_REUSED_PREFIX) {
-        Err(Error::Config(format!(
-            "dead letter {} is an event whose id was already used by another event: replaying it under the same id \
-             would be refused again. Fix the producer, and publish it under a new id",
-            letter.id
-        )))
-    } else {
-        Ok(())
-    }
+fn reused_id(letter: &DeadLetter) -> bool {
+    letter.error.starts_with(ID_REUSED_PREFIX)
 }
 
 /// Discards dead letters: each, in one transaction, leaves the dead letters for the archive with who discarded

@@ -307,8 +307,25 @@ where
     assert!(letters[0].error.contains("reused") && letters[0].error.contains("payments/1/0"), "{}", letters[0].error);
     assert_eq!(letters[0].offset, 9);
     assert_eq!(ledger_total(&pool).await, 11);
+    // Its replay is refused, checked or forced, dry or not, and names the way out.
+    let tables = idem::Tables::default();
+    let forced = idem::dead_letter::Safety::Forced;
+    let checked = idem::dead_letter::check_replay(&pool, &tables, &letters[0], forced).await.unwrap();
+    let refused = idem::dead_letter::Replayed::Refused(idem::dead_letter::ReplayRisk::IdReused);
+    assert_eq!(checked, refused);
+    let dir = tempfile_dir();
+    let log = idem::embedded::EmbeddedLog::open(&dir).unwrap();
+    let replayed = idem::dead_letter::replay(&pool, &tables, &log.producer(), &letters[0], forced).await.unwrap();
+    assert_eq!(replayed, refused);
+    assert!(idem::dead_letter::ReplayRisk::IdReused.explain(&letters[0]).contains("new id"));
+    let _ = std::fs::remove_dir_all(&dir);
 }
 on_every_store!(reused_ids_are_detected);
+
+fn tempfile_dir() -> std::path::PathBuf {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    std::env::temp_dir().join(format!("idem-reused-{}-{nanos}", std::process::id()))
+}
 
 /// A handler that swallows a database error leaves a PostgreSQL transaction aborted, where COMMIT silently
 /// rolls back: the engine must notice, never report that batch as committed, and isolate the message.

@@ -166,12 +166,13 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
         let safety = if request.force { Safety::Forced } else { Safety::Checked };
         match (verb, request.dry_run, &self.publisher) {
             ("replay", true, _) => {
-                let tally = crate::dead_letter::check_each(&self.pool, &self.tables, &letters, safety).await;
+                let tally = crate::dead_letter::check_each(&self.pool, &self.tables, &letters, safety, |_, _| {}).await;
                 Ok((Acted::Replayed(tally), None))
             }
             ("replay", false, Some(publisher)) => {
                 let tally =
-                    crate::dead_letter::replay_each(&self.pool, &self.tables, publisher, &letters, safety).await;
+                    crate::dead_letter::replay_each(&self.pool, &self.tables, publisher, &letters, safety, |_, _| {})
+                        .await;
                 let entry = self.audit(user, audit_action, subjects, tally.replayed.len(), &tally.outcome()).await;
                 Ok((Acted::Replayed(tally), entry))
             }

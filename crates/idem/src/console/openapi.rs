@@ -231,7 +231,7 @@ pub fn document() -> Value {
                 "ReplayResult": object(json!({
                     "dry_run": { "type": "boolean" }, "replayed": ids(), "would_replay": ids(), "gone": ids(),
                     "refused": { "type": "array", "items": object(json!({
-                        "id": integer(), "risk": { "type": "string", "enum": ["markers_pruned", "applied_since"] }, "why": string(),
+                        "id": integer(), "risk": { "type": "string", "enum": ["markers_pruned", "applied_since", "id_reused"] }, "why": string(),
                     }), &["id", "risk", "why"]) },
                     "stopped_by": nullable_string(),
                     "audit_id": { "type": "integer", "format": "int64", "nullable": true, "description": "The audit trail's entry (none for a dry run)." },

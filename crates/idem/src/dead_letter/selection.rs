@@ -134,11 +134,15 @@ impl Filter {
 
     /// The filters in words, as the audit trail records them (`all` without any).
     pub fn describe(&self) -> String {
+        self.words(true)
+    }
+
+    fn words(&self, with_fingerprint: bool) -> String {
         let s = &self.spec;
         let parts: Vec<String> = [
             s.group.as_ref().map(|g| format!("group {g}")),
             s.matching.as_ref().map(|m| format!("matching {m:?}")),
-            self.fingerprint.as_ref().map(|f| format!("fingerprint {f}")),
+            self.fingerprint.as_ref().filter(|_| with_fingerprint).map(|f| format!("fingerprint {f}")),
             s.older_than.as_ref().map(|o| format!("older than {o}")),
             s.message_type.as_ref().map(|t| format!("message type from {t}")),
         ]
@@ -171,7 +175,7 @@ pub enum Taken {
 
 impl Chosen<'_> {
     /// The letters, every id checked; [`Taken::Refused`], naming why, when nothing names them, an id is not there,
-    /// or a failure group is empty. `verb` names the action in the refusal (`replay`).
+    /// or the selection takes nothing. `verb` names the action in the refusal (`replay`).
     pub async fn letters<DB: Backend>(
         &self,
         pool: &sqlx::Pool<DB>,
@@ -184,21 +188,31 @@ impl Chosen<'_> {
                  --fingerprint F (from `idem dead-letters groups`) or --older-than DURATION"
             )));
         }
+        let group = self.filter.spec.group.as_deref();
+        let of_group = super::list(pool, tables, group, i64::MAX).await?;
         let every = self.ids.is_empty();
-        let letters: Vec<DeadLetter> = self
-            .filter
-            .letters(pool, tables, i64::MAX)
-            .await?
-            .into_iter()
-            .filter(|l| every || self.ids.contains(&l.id))
-            .collect();
+        let letters: Vec<DeadLetter> =
+            of_group.iter().filter(|l| self.filter.takes(l) && (every || self.ids.contains(&l.id))).cloned().collect();
         for id in self.ids {
             if !letters.iter().any(|l| l.id == *id) {
-                return Ok(Taken::Refused(self.why_not_taken(pool, tables, *id).await?));
+                return Ok(Taken::Refused(self.why_not_taken(pool, tables, &of_group, *id).await));
             }
         }
-        if let (Some(fingerprint), true) = (&self.filter.fingerprint, letters.is_empty()) {
-            return Ok(Taken::Refused(self.why_no_group(pool, tables, fingerprint).await?));
+        if letters.is_empty() {
+            let why = match &self.filter.fingerprint {
+                Some(fingerprint) => self.why_no_group(pool, tables, &of_group, fingerprint).await?,
+                None if of_group.is_empty() => format!(
+                    "there is no dead letter{}: nothing to {verb}",
+                    group.map(|g| format!(" of group {g}")).unwrap_or_default()
+                ),
+                None => format!(
+                    "no dead letter passes the filters ({}), among {} of {}: nothing to {verb}",
+                    self.filter.describe(),
+                    of_group.len(),
+                    group.map(|g| format!("group {g}")).unwrap_or_else(|| "every group".to_owned())
+                ),
+            };
+            return Ok(Taken::Refused(why));
         }
         Ok(Taken::Letters(letters))
     }
@@ -209,48 +223,60 @@ impl Chosen<'_> {
         &self,
         pool: &sqlx::Pool<DB>,
         tables: &Tables,
+        of_group: &[DeadLetter],
         id: i64,
-    ) -> Result<String, Error> {
+    ) -> String {
         let group = self.filter.spec.group.as_deref();
-        let all = super::list(pool, tables, group, i64::MAX).await?;
-        if all.iter().any(|l| l.id == id) {
-            return Ok(format!(
+        if of_group.iter().any(|l| l.id == id) {
+            return format!(
                 "dead letter {id} is not among those the filters take ({}); drop the filters to name it by id",
                 self.filter.describe()
-            ));
+            );
         }
         if let Ok(Some(a)) = super::archived_letter(pool, tables, id).await {
-            return Ok(format!(
+            return format!(
                 "dead letter {id} was discarded by {} at {} ({}); see `idem dead-letters archived`",
                 a.discarded_by,
                 crate::store::rfc3339_from_ms(a.discarded_at_ms),
                 a.reason
-            ));
+            );
         }
-        Ok(match group {
+        match group {
             Some(group) => format!("no dead letter of group {group} has id {id}; see `idem dead-letters list`"),
             None => format!("no dead letter has id {id} (replayed since?); see `idem dead-letters list`"),
-        })
+        }
     }
 
-    /// Why failure group `fingerprint` selects nothing: the other filters leave its letters out, they were all
-    /// discarded, or the fingerprint was taken with another message-type setting (or is gone).
+    /// Why failure group `fingerprint` selects nothing: the other filters leave its letters out, it belongs to
+    /// another consumer group than `--group`, its letters were all discarded, or the fingerprint was taken with
+    /// another message-type setting (or is gone).
     async fn why_no_group<DB: Backend>(
         &self,
         pool: &sqlx::Pool<DB>,
         tables: &Tables,
+        of_group: &[DeadLetter],
         fingerprint: &str,
     ) -> Result<String, Error> {
         let typing = self.filter.typing.as_ref();
         let group = self.filter.spec.group.as_deref();
-        let all = super::list(pool, tables, group, i64::MAX).await?;
-        let of_group = all.iter().filter(|l| fingerprint_of(l, typing) == fingerprint).count();
-        if of_group > 0 {
+        let ours = of_group.iter().filter(|l| fingerprint_of(l, typing) == fingerprint).count();
+        if ours > 0 {
             return Ok(format!(
-                "failure group {fingerprint} has {of_group} dead letter(s), but the other filters ({}) take none of \
-                 them",
-                self.filter.describe()
+                "failure group {fingerprint} has {ours} dead letter(s), but the other filters ({}) take none of them",
+                self.filter.words(false)
             ));
+        }
+        if let Some(group) = group {
+            let everyone = super::list(pool, tables, None, i64::MAX).await?;
+            if let Some(other) = everyone.iter().find(|l| fingerprint_of(l, typing) == fingerprint) {
+                return Ok(format!(
+                    "failure group {fingerprint} is consumer group {}'s, not {group}'s: drop --group or name {}",
+                    other.consumer_group, other.consumer_group
+                ));
+            }
+            if of_group.is_empty() {
+                return Ok(format!("consumer group {group} has no dead letter: check --group"));
+            }
         }
         let discarded: Vec<_> = super::archived(pool, tables, group, 10_000)
             .await

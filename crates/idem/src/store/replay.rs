@@ -30,6 +30,9 @@ pub enum ReplayRisk {
     /// The event's marker was written after the letter failed: a later copy of the event was applied. Replaying
     /// it would apply it a second time; this is refused even when forced.
     AppliedSince,
+    /// The letter is an event whose id another event had used: a copy under the same id would be refused again
+    /// (checked before the database, see [`crate::dead_letter::ID_REUSED_PREFIX`]); never replayed.
+    IdReused,
 }
 
 /// First step, in one transaction: marks the row `replaying` and deletes its event's marker, unless the row is
@@ -57,9 +60,11 @@ where
     (i64,): for<'r> sqlx::FromRow<'r, DB::Row>,
 {
     let render = |sql: &str| style.finish(&tables.render(sql));
-    let (open, lock) = match style {
-        Style::Postgres | Style::MySql => ("BEGIN", " FOR UPDATE"),
-        Style::Sqlite => ("BEGIN IMMEDIATE", ""),
+    // A check only reads: no write lock, so a dry run never holds up the consumers.
+    let (open, lock) = match (style, check_only) {
+        (_, true) => ("BEGIN", ""),
+        (Style::Postgres | Style::MySql, false) => ("BEGIN", " FOR UPDATE"),
+        (Style::Sqlite, false) => ("BEGIN IMMEDIATE", ""),
     };
     let text = |column: &str| match style {
         Style::MySql => format!("CAST({column} AS CHAR)"),
@@ -103,6 +108,7 @@ where
         }
     }
     if check_only {
+        tx.rollback().await?;
         return Ok(ReplayStart::Started);
     }
     if dead {
