@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The console's end-to-end test in a real browser: Debian's Chromium, driven by playwright-core (installed once
 # into a directory outside the checkout, $IDEM_TOOLS, default ~/.cache/idem-tools). Events with a cause of failure
-# go through `idem run`; an operator signs in, finds the failure group, sees what a replay would do, replays it
-# once the cause is fixed, and the ledger becomes right and the audit trail names her; a viewer cannot act; a
-# request without a token and a form without its CSRF token are refused.
+# go through `idem run`, which then serves the console beside its consumer; an operator signs in, finds the
+# failure group, dry-runs an edit of one letter through the consumer's effects and retries it, sees what a replay
+# of the rest would do, replays them once the cause is fixed, and the ledger becomes right and the audit trail
+# names her; a viewer cannot act; a request without a token and a form without its CSRF token are refused.
 # Then schemathesis (from PyPI, installed once beside playwright-core) runs the live console's JSON API against
 # its OpenAPI document for a bounded number of examples: no server error, every status and body as documented.
 # Usage: scripts/browser.sh [path/to/idem] [screenshot-dir]
@@ -51,11 +52,19 @@ alice=$("$idem" console token alice --role operator)
 bob=$("$idem" console token bob --role viewer)
 { echo "$alice" | sed -n 's/^users-file line: //p'; echo "$bob" | sed -n 's/^users-file line: //p'; } > "$work/users.txt"
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-"$idem" console --database-url "$LEDGER_DATABASE_URL" --users "$work/users.txt" --log-dir "$work/events" \
-  --listen "127.0.0.1:$port" 2>"$work/console.log" &
+# The console served by `idem run` beside its consumer: the consumer applies what the console replays, and an
+# edited letter's dry run goes through the consumer's own effects.
+cat >> "$work/payments.toml" <<TOML
+
+[console]
+listen = "127.0.0.1:$port"
+users = "$work/users.txt"
+show_payloads = true
+TOML
+(cd "$work" && exec "$idem" run --config payments.toml) 2>"$work/console.log" &
 console_pid=$!
 up=""
-for _ in $(seq 1 50); do
+for _ in $(seq 1 100); do
   if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then up=1; break; fi
   sleep 0.2
 done

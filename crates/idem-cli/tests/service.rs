@@ -847,7 +847,7 @@ async fn idem_run_serves_the_console_with_its_consumers_and_replays_through_thei
     let users = dir.write("users.txt", &format!("{alice_line}\n{bob_line}\n"));
     let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port();
     let addr = format!("127.0.0.1:{port}");
-    let console = format!("\n[console]\nlisten = \"{addr}\"\nusers = \"{}\"\n", users.display());
+    let console = format!("\n[console]\nlisten = \"{addr}\"\nusers = \"{}\"\nshow_payloads = true\n", users.display());
     let base = db.database_toml() + &ledger_consumer(&db, &log, 10);
     let config = dir.write("idem.toml", &(base.clone() + &console));
 
@@ -897,10 +897,33 @@ async fn idem_run_serves_the_console_with_its_consumers_and_replays_through_thei
     assert!(status == 200 && body.contains("\"was_paused\":false"), "{status} {body}");
     assert_eq!(console_request(&addr, "POST", "/api/v1/consumers/nobody/resume", &alice, "").0, 404);
 
+    // One letter edited: the dry run runs the consumer's effects and rolls back, showing each statement's rows;
+    // the retry publishes the edited copy, which the running consumer applies.
+    let first = &dead["items"][0];
+    let (id, payload) = (first["id"].as_i64().unwrap(), first["payload"].as_str().unwrap().to_owned());
+    let edit_path = format!("/api/v1/dead-letters/{id}/edit");
+    let edit = |payload: &str, dry: bool| {
+        let body = serde_json::json!({ "payload": payload, "dry_run": dry }).to_string();
+        let (status, body) = console_request(&addr, "POST", &edit_path, &alice, &body);
+        (status, serde_json::from_str::<serde_json::Value>(&body).unwrap_or_else(|_| body.into()))
+    };
+    let (_, unedited) = edit(&payload, true);
+    let rows: Vec<i64> =
+        unedited["trial"]["statements"].as_array().unwrap().iter().map(|s| s["rows"].as_i64().unwrap()).collect();
+    assert_eq!(rows, [1, 0], "the insert, then the update of a missing account: {unedited}");
+    assert!(unedited["trial"]["error"].as_str().unwrap().contains("expect_rows"), "{unedited}");
+    let moved = payload.replace("\"account\":3", "\"account\":4");
+    assert_ne!(moved, payload);
+    let (_, tried) = edit(&moved, true);
+    assert_eq!(tried["trial"]["ok"], true, "{tried}");
+    let (status, done) = edit(&moved, false);
+    assert_eq!((status, &done["replayed"]), (200, &true.into()), "{done}");
+
     // The cause fixed, the console replays the group through the consumer's own log; the running consumer applies it.
     db.exec(&format!("INSERT INTO {p}accounts (id) VALUES (3)")).await;
     let (status, body) = console_request(&addr, "POST", "/api/v1/dead-letters/replay", &alice, r#"{"all": true}"#);
-    assert!(status == 200 && body.contains("\"replayed\":["), "{status} {body}");
+    let replayed: serde_json::Value = serde_json::from_str(&body).expect("json");
+    assert_eq!((status, replayed["replayed"].as_array().map(Vec::len)), (200, Some(19)), "the 19 others: {body}");
     let deadline = Instant::now() + Duration::from_secs(60);
     while db.scalar(&format!("SELECT COUNT(*) FROM {p}ledger")).await < 200 {
         assert!(Instant::now() < deadline, "the replayed payments were not applied");

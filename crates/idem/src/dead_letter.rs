@@ -119,6 +119,42 @@ pub async fn replay<DB: Backend, P: Publisher>(
     Ok(Replayed::Published)
 }
 
+/// Replays `letter` with its payload replaced by `payload` (an operator's edit), after the same checks as
+/// [`replay`]: the original is first copied to the archive (reason `edited by ACTOR and replayed; this is the
+/// original`), then the edited copy is published under the same event id, and the letter leaves the dead letters.
+pub async fn replay_edited<DB: Backend, P: Publisher>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    publisher: &P,
+    letter: &DeadLetter,
+    payload: Vec<u8>,
+    safety: Safety,
+    actor: &str,
+) -> Result<Replayed, Error> {
+    match check_replay(pool, tables, letter, safety).await? {
+        Replayed::Published => {}
+        other => return Ok(other),
+    }
+    let reason = format!("edited by {actor} and replayed; this is the original");
+    let original = Discard { actor, reason: &reason, at_ms: crate::engine::now_ms() };
+    if !DB::archive_copy(pool, tables, letter, &original).await? {
+        return Ok(Replayed::Gone);
+    }
+    match DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, false).await? {
+        ReplayStart::Started => {}
+        ReplayStart::Gone => return Ok(Replayed::Gone),
+        ReplayStart::Refused(risk) => return Ok(Replayed::Refused(risk)),
+    }
+    let mut copy = letter.message();
+    copy.payload = payload;
+    copy.headers.retain(|(name, _)| name != REPLAY_FOR_HEADER);
+    copy.headers.push((REPLAY_FOR_HEADER.to_owned(), letter.consumer_group.clone().into_bytes()));
+    publisher.publish(&copy).await?;
+    DB::finish_replay(pool, tables, letter.id).await?;
+    tracing::info!(id = letter.id, consumer_group = %letter.consumer_group, actor, "dead letter edited and replayed");
+    Ok(Replayed::Published)
+}
+
 /// What [`replay`] would do with `letter` now, without doing it: `Published` says it would be published.
 pub async fn check_replay<DB: Backend>(
     pool: &sqlx::Pool<DB>,

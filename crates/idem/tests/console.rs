@@ -101,19 +101,23 @@ async fn sign_in(addr: SocketAddr, token: &str) -> (String, String) {
     (cookie, csrf.to_owned())
 }
 
-fn ids(value: &Value, key: &str) -> Vec<i64> {
-    value[key].as_array().unwrap_or_else(|| panic!("{key} in {value}")).iter().filter_map(Value::as_i64).collect()
+/// A log of `n` payments (every fourth to account 13, from the second on) and a SQLite database with a ledger.
+struct Setup {
+    dir: std::path::PathBuf,
+    log: EmbeddedLog,
+    producer: idem::embedded::LogProducer,
+    pool: sqlx::SqlitePool,
+    config: Config,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_console_acts_as_the_command_line_does_and_only_for_operators() {
+async fn setup(n: usize) -> Setup {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     let dir = std::env::temp_dir().join(format!("idem-console-{}-{nanos}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let log = EmbeddedLog::open(dir.join("log")).unwrap();
     log.create_topic("payments", 1).unwrap();
     let producer = log.producer();
-    for n in 0..10 {
+    for n in 0..n {
         let payload = format!(r#"{{"id":"p-{n}","account":{}}}"#, if n % 4 == 1 { 13 } else { n });
         producer.send("payments", None, payload.as_bytes(), &[]).unwrap();
     }
@@ -123,7 +127,17 @@ async fn the_console_acts_as_the_command_line_does_and_only_for_operators() {
     sqlx::query("CREATE TABLE ledger (event_id TEXT PRIMARY KEY)").execute(&pool).await.unwrap();
     let config = Config::new("ledger", KeyExtractor::JsonPointer("/id".into())).kill_switch(KillSwitch::off());
     idem::migrate(&pool, &config.tables).await.unwrap();
+    Setup { dir, log, producer, pool, config }
+}
+
+fn ids(value: &Value, key: &str) -> Vec<i64> {
+    value[key].as_array().unwrap_or_else(|| panic!("{key} in {value}")).iter().filter_map(Value::as_i64).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_acts_as_the_command_line_does_and_only_for_operators() {
     let ledger = Ledger { refuse_13: Arc::new(AtomicBool::new(true)) };
+    let Setup { dir, log, producer, pool, config } = setup(10).await;
     let run = || async {
         let engine = Engine::new(pool.clone(), config.clone()).unwrap();
         let options = ConsumerOptions { stop_at_end: true, ..ConsumerOptions::default() };
@@ -167,6 +181,13 @@ async fn the_console_acts_as_the_command_line_does_and_only_for_operators() {
     assert_eq!(bad.status, 400, "{}", bad.body);
     let bad = api(addr, "GET", "/api/v1/dead-letters?fingerprint=frozen", VIEWER, "").await;
     assert!(bad.status == 400 && bad.body.contains("12 hexadecimal digits"), "{}", bad.body);
+    let hidden =
+        api(addr, "POST", &format!("/api/v1/dead-letters/{after}/edit"), OPERATOR, r#"{"payload":"{}"}"#).await;
+    assert!(
+        hidden.status == 409 && hidden.body.contains("--show-payloads"),
+        "payloads hidden, no edit: {}",
+        hidden.body
+    );
     let no_reason = api(addr, "POST", "/api/v1/dead-letters/discard", OPERATOR, &group_body).await;
     assert!(no_reason.status == 400 && no_reason.body.contains("reason"), "{}", no_reason.body);
 
@@ -271,6 +292,84 @@ async fn the_console_acts_as_the_command_line_does_and_only_for_operators() {
     assert!(audit_page.body.contains("dead-letters discard") && audit_page.body.contains("account closed"));
     let viewer = form(addr, "/actions/replay", &cookie, &format!("ids={id}&csrf={csrf}&confirm=yes"), &[]).await;
     assert_eq!(viewer.status, 403, "{}", viewer.body);
+    pool.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edited_letter_is_dry_run_through_the_handler_then_replayed_with_the_original_archived() {
+    let ledger = Ledger { refuse_13: Arc::new(AtomicBool::new(true)) };
+    let Setup { dir, log, producer: _, pool, config } = setup(4).await;
+    let run = || async {
+        let engine = Engine::new(pool.clone(), config.clone()).unwrap();
+        let options = ConsumerOptions { stop_at_end: true, ..ConsumerOptions::default() };
+        let source = log.consumer("ledger", &["payments"], options).unwrap();
+        let run = engine.run(source, ledger.clone(), std::future::pending::<()>());
+        tokio::time::timeout(Duration::from_secs(30), run).await.unwrap().unwrap()
+    };
+    assert_eq!(run().await.dead_lettered, 1, "p-1 goes to account 13");
+    let users = Users::new().with_token("alice", Role::Operator, OPERATOR).with_token("bob", Role::Viewer, VIEWER);
+    let trial = idem::console::HandlerTrial::new(pool.clone(), "ledger", ledger.clone());
+    let console = ConsoleConfig {
+        show_payloads: true,
+        trials: idem::console::Trials(vec![Arc::new(trial)]),
+        ..ConsoleConfig::new(users)
+    };
+    let addr = idem::console::serve(
+        "127.0.0.1:0".parse().unwrap(),
+        pool.clone(),
+        Tables::default(),
+        Some(log.producer()),
+        console,
+    )
+    .await
+    .unwrap();
+    let letter = api(addr, "GET", "/api/v1/dead-letters", VIEWER, "").await.json()["items"][0].clone();
+    let id = letter["id"].as_i64().unwrap();
+    assert_eq!(letter["payload_json"]["account"], 13, "payloads shown: {letter}");
+    let edit = |token: &'static str, body: String| async move {
+        api(addr, "POST", &format!("/api/v1/dead-letters/{id}/edit"), token, &body).await
+    };
+    let body = |payload: &str, dry: bool| serde_json::json!({ "payload": payload, "dry_run": dry }).to_string();
+
+    // The dry run: the handler on the message as it is fails, on the edited one succeeds; nothing is written.
+    let unedited = edit(OPERATOR, body(r#"{"id":"p-1","account":13}"#, true)).await.json();
+    assert_eq!(
+        (&unedited["trial"]["ok"], unedited["trial"]["error"].as_str().map(|e| e.contains("frozen"))),
+        (&Value::Bool(false), Some(true)),
+        "{unedited}"
+    );
+    let edited = r#"{"id":"p-1","account":14}"#;
+    let tried = edit(OPERATOR, body(edited, true)).await.json();
+    assert_eq!(tried["trial"]["ok"], true, "{tried}");
+    let (rows,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM ledger").fetch_one(&pool).await.unwrap();
+    assert_eq!(rows, 3, "a dry run writes nothing");
+    assert_eq!(edit(VIEWER, body(edited, true)).await.status, 403);
+    let not_json = edit(OPERATOR, body("account 14", true)).await;
+    assert!(not_json.status == 400 && not_json.body.contains("not JSON"), "{}", not_json.body);
+    let huge = edit(OPERATOR, body(&"x".repeat(2 << 20), true)).await;
+    assert!(huge.status == 400 && huge.body.contains("at most"), "{}", huge.body);
+
+    // The retry for real: the edited copy is applied once, the original is in the archive, the trail says who.
+    let done = edit(OPERATOR, body(edited, false)).await;
+    assert_eq!((done.status, &done.json()["replayed"]), (200, &Value::Bool(true)), "{}", done.body);
+    assert_eq!(run().await.processed, 1);
+    let (rows,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM ledger").fetch_one(&pool).await.unwrap();
+    assert_eq!(rows, 4);
+    let archived = idem::dead_letter::archived(&pool, &Tables::default(), None, 10).await.unwrap();
+    assert_eq!(archived.len(), 1);
+    assert!(
+        archived[0].reason.contains("edited by alice") && archived[0].letter.payload.ends_with(b"13}"),
+        "{archived:?}"
+    );
+    let again = edit(OPERATOR, body(edited, false)).await;
+    assert_eq!(again.status, 404, "replayed already: {}", again.body);
+    let audit = api(addr, "GET", "/api/v1/audit", VIEWER, "").await.json();
+    assert_eq!(
+        (audit[0]["action"].as_str(), audit[0]["actor"].as_str()),
+        (Some("dead-letters edit and replay"), Some("alice")),
+        "{audit}"
+    );
     pool.close().await;
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -6,6 +6,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
+use idem::console::trial::{Boxed, StatementRows};
+use idem::console::{Trial, TrialReport};
 use idem::guard::{Field, GuardStore, StateMachine, VersionGuard};
 use idem::outbox::{OutboxStore, OutgoingMessage};
 use idem::{BatchHandler, Event, Handler, HandlerError};
@@ -322,19 +324,29 @@ fn at(sql: &PlannedSql) -> impl Fn(sqlx::Error) -> HandlerError + '_ {
     }
 }
 
-impl<DB: ServiceDb> Handler<DB> for Configured<DB> {
-    async fn handle(&self, event: &Event, tx: &mut DB::Connection) -> Result<(), HandlerError> {
+impl<DB: ServiceDb> Configured<DB> {
+    /// Applies the effects to one event; each statement and the rows it changed go to `rows` when given (the
+    /// console's dry run).
+    async fn apply(
+        &self,
+        event: &Event,
+        tx: &mut DB::Connection,
+        mut rows: Option<&mut Vec<StatementRows>>,
+    ) -> Result<(), HandlerError> {
         let values = self.values(event)?;
         if !self.guards_pass(event, tx).await? {
             return Ok(());
         }
         for sql in &self.each {
-            let rows = DB::run_each(tx, &sql.rendered, &self.params, &values).await.map_err(at(sql))?;
+            let changed = DB::run_each(tx, &sql.rendered, &self.params, &values).await.map_err(at(sql))?;
+            if let Some(rows) = rows.as_deref_mut() {
+                rows.push(StatementRows { statement: format!("{} (line {})", sql.key, sql.line), rows: changed });
+            }
             if let Some(expected) = sql.expect_rows
-                && rows != expected
+                && changed != expected
             {
                 return Err(HandlerError::permanent(format!(
-                    "{} (line {}) changed {rows} row(s), expect_rows is {expected}",
+                    "{} (line {}) changed {changed} row(s), expect_rows is {expected}",
                     sql.key, sql.line
                 )));
             }
@@ -346,6 +358,42 @@ impl<DB: ServiceDb> Handler<DB> for Configured<DB> {
             DB::emit(tx, &self.outbox, &self.messages(&values)).await?;
         }
         Ok(())
+    }
+}
+
+impl<DB: ServiceDb> Handler<DB> for Configured<DB> {
+    async fn handle(&self, event: &Event, tx: &mut DB::Connection) -> Result<(), HandlerError> {
+        self.apply(event, tx, None).await
+    }
+}
+
+/// A consumer's effects as the console's dry run of an edited dead letter: the statements run in a transaction
+/// that is rolled back, each with the rows it changed.
+pub struct ConfiguredTrial<DB: ServiceDb> {
+    /// The pool the consumer runs on.
+    pub pool: sqlx::Pool<DB>,
+    /// The consumer group.
+    pub group: String,
+    /// Its effects.
+    pub handler: Configured<DB>,
+}
+
+impl<DB: ServiceDb> Trial for ConfiguredTrial<DB> {
+    fn group(&self) -> String {
+        self.group.clone()
+    }
+
+    fn try_event(&self, event: Event) -> Boxed<'_, TrialReport> {
+        Box::pin(async move {
+            let mut tx = match self.pool.begin().await {
+                Ok(tx) => tx,
+                Err(e) => return TrialReport { error: Some(format!("the database: {e}")), ..TrialReport::default() },
+            };
+            let mut statements = Vec::new();
+            let outcome = self.handler.apply(&event, &mut tx, Some(&mut statements)).await;
+            drop(tx.rollback().await);
+            TrialReport { ok: outcome.is_ok(), error: outcome.err().map(|e| e.to_string()), statements }
+        })
     }
 }
 

@@ -235,6 +235,12 @@ async fn serve_console<DB: ServiceDb>(
     console: &plan::ConsolePlan,
     engines: &[Engine<DB>],
 ) -> anyhow::Result<()> {
+    let mut trials = Vec::new();
+    for consumer in &plan.consumers {
+        let handler = Configured::new(pool, consumer).await.with_context(|| whose(consumer))?;
+        let trial = effect::ConfiguredTrial { pool: pool.clone(), group: consumer.config.group.clone(), handler };
+        trials.push(std::sync::Arc::new(trial) as std::sync::Arc<dyn idem::console::Trial>);
+    }
     let targets: Vec<BrokerTarget> = plan.consumers.iter().map(|c| broker_of(&c.source)).collect();
     let shared = targets.first().filter(|first| targets.iter().all(|t| t == *first));
     let publisher = match shared {
@@ -251,6 +257,7 @@ async fn serve_console<DB: ServiceDb>(
         show_payloads: console.show_payloads,
         message_type: console.message_type.clone(),
         consumers: idem::console::Consumers::of(engines),
+        trials: idem::console::Trials(trials),
     };
     let tables = plan.database.tables.clone();
     let bound =

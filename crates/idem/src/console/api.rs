@@ -467,3 +467,123 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
         Ok(consumer.resume_as(&format!("{} (console)", user.name)))
     }
 }
+
+/// The largest edited payload the console takes.
+pub const MAX_EDITED_PAYLOAD: usize = 1 << 20;
+
+/// An edit of one dead letter's payload.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct EditRequest {
+    /// The edited payload, as text (JSON when the original is JSON).
+    pub payload: Option<String>,
+    /// Run the consumer's handler on the edited message and roll back; change nothing.
+    pub dry_run: bool,
+    /// Replay even when the markers of the letter's time were pruned.
+    pub force: bool,
+}
+
+/// What an edit did.
+pub enum Edited {
+    /// The dry run's report.
+    Tried(crate::console::TrialReport),
+    /// The edited copy was published (the original is in the archive); the audit entry.
+    Replayed(Option<i64>),
+}
+
+impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
+    /// Dry-runs or replays dead letter `id` with an edited payload, as `user`.
+    pub(crate) async fn edit(&self, user: &User, id: i64, request: &EditRequest) -> Result<Edited, Refusal> {
+        if !self.config.show_payloads {
+            return Err((
+                StatusCode::CONFLICT,
+                "payloads are hidden in this console: start it with --show-payloads (show_payloads = true) to edit \
+                 them"
+                    .into(),
+            ));
+        }
+        let payload = request
+            .payload
+            .as_deref()
+            .ok_or_else(|| (StatusCode::BAD_REQUEST, "payload: the edited payload, as text".to_owned()))?;
+        if payload.len() > MAX_EDITED_PAYLOAD {
+            let why = format!("payload: {} bytes; an edited payload is at most {MAX_EDITED_PAYLOAD}", payload.len());
+            return Err((StatusCode::BAD_REQUEST, why));
+        }
+        let unavailable =
+            |e: crate::Error| (StatusCode::SERVICE_UNAVAILABLE, format!("the database did not answer: {e}"));
+        let letter = find(self, id).await.map_err(unavailable)?.ok_or_else(|| {
+            (StatusCode::NOT_FOUND, format!("no dead letter has id {id} (replayed or discarded since?)"))
+        })?;
+        if serde_json::from_slice::<serde_json::Value>(&letter.payload).is_ok()
+            && let Err(e) = serde_json::from_str::<serde_json::Value>(payload)
+        {
+            return Err((StatusCode::BAD_REQUEST, format!("payload: not JSON ({e}), and the original is")));
+        }
+        if request.dry_run {
+            let trial = self.config.trials.find(&letter.consumer_group).ok_or_else(|| {
+                let why = format!(
+                    "no handler of consumer group {} runs beside this console: a dry run needs the console of the \
+                     consumer's own process (idem run's [console], or HandlerTrial in a Rust binary)",
+                    letter.consumer_group
+                );
+                (StatusCode::CONFLICT, why)
+            })?;
+            let mut message = letter.message();
+            message.payload = payload.as_bytes().to_vec();
+            let event_id = letter.event_id.clone().unwrap_or_else(|| format!("dead-letter-{id}"));
+            return Ok(Edited::Tried(trial.try_event(crate::Event::new(event_id, message)).await));
+        }
+        let Some(publisher) = &self.publisher else {
+            return Err((StatusCode::CONFLICT, "this console has no broker to replay to".into()));
+        };
+        let safety = if request.force { Safety::Forced } else { Safety::Checked };
+        let edited = payload.as_bytes().to_vec();
+        let subjects = format!("id {id}, payload edited ({} bytes, was {})", edited.len(), letter.payload.len());
+        let action = "dead-letters edit and replay";
+        let replayed =
+            crate::dead_letter::replay_edited(&self.pool, &self.tables, publisher, &letter, edited, safety, &user.name)
+                .await;
+        let refusal = match replayed {
+            Ok(crate::dead_letter::Replayed::Published) => {
+                let entry = self.audit(user, action, subjects, 1, &Ok(())).await;
+                return Ok(Edited::Replayed(entry));
+            }
+            Ok(crate::dead_letter::Replayed::Refused(risk)) => (StatusCode::CONFLICT, risk.explain(&letter)),
+            Ok(crate::dead_letter::Replayed::Gone) => {
+                (StatusCode::CONFLICT, format!("dead letter {id} is gone: replayed or discarded meanwhile"))
+            }
+            Err(e) => (StatusCode::BAD_GATEWAY, format!("the edited copy was not published: {e}")),
+        };
+        self.audit(user, action, subjects, 0, &Err(refusal.1.clone())).await;
+        Err(refusal)
+    }
+}
+
+/// `POST /api/v1/dead-letters/{id}/edit`: `{"payload": "…", "dry_run": true}` runs the consumer's handler on the
+/// edited message and rolls back; without `dry_run`, the edited copy is replayed (the original kept in the archive).
+pub async fn edit<DB: Backend, P: Publisher + 'static>(
+    State(c): State<Arc<Console<DB, P>>>,
+    headers: HeaderMap,
+    id: Result<Path<i64>, PathRejection>,
+    body: Result<Json<EditRequest>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let user = match c.api_user(&headers, Role::Operator) {
+        Ok(user) => user,
+        Err((status, why)) => return error(status, &why),
+    };
+    let Ok(Path(id)) = id else {
+        return error(StatusCode::BAD_REQUEST, "id: a dead letter's id is an integer");
+    };
+    let Json(request) = match body {
+        Ok(body) => body,
+        Err(rejection) => return error(StatusCode::BAD_REQUEST, &format!("the body: {rejection}")),
+    };
+    match c.edit(&user, id, &request).await {
+        Ok(Edited::Tried(report)) => Json(serde_json::json!({ "dry_run": true, "trial": report })).into_response(),
+        Ok(Edited::Replayed(entry)) => {
+            Json(serde_json::json!({ "dry_run": false, "replayed": true, "audit_id": entry })).into_response()
+        }
+        Err((status, why)) => error(status, &why),
+    }
+}

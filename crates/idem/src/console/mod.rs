@@ -23,6 +23,7 @@ pub mod auth;
 pub mod consumers;
 pub mod openapi;
 pub mod page;
+pub mod trial;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -34,6 +35,7 @@ use axum::routing::{get, post};
 
 pub use auth::{Role, User, Users};
 pub use consumers::{ConsumerView, Consumers};
+pub use trial::{HandlerTrial, Trial, TrialReport, Trials};
 
 use crate::audit::AuditEntry;
 use crate::error::Error;
@@ -53,12 +55,21 @@ pub struct ConsoleConfig {
     /// The consumers of this process, shown with their state and resumed after their kill switch tripped (none
     /// for a console started alone).
     pub consumers: Consumers,
+    /// The handlers an edited dead letter's dry run goes through, by consumer group (none for a console started
+    /// alone: it edits and retries, without the dry run).
+    pub trials: Trials,
 }
 
 impl ConsoleConfig {
     /// A console for `users`, payloads hidden, no consumers of its own.
     pub fn new(users: Users) -> ConsoleConfig {
-        ConsoleConfig { users, show_payloads: false, message_type: None, consumers: Consumers::default() }
+        ConsoleConfig {
+            users,
+            show_payloads: false,
+            message_type: None,
+            consumers: Consumers::default(),
+            trials: Trials::default(),
+        }
     }
 }
 
@@ -150,6 +161,7 @@ pub fn router<DB: Backend, P: Publisher + 'static>(
         .route("/api/v1/dead-letters/{id}", get(api::dead_letter::<DB, P>))
         .route("/api/v1/dead-letters/replay", post(api::replay::<DB, P>))
         .route("/api/v1/dead-letters/discard", post(api::discard::<DB, P>))
+        .route("/api/v1/dead-letters/{id}/edit", post(api::edit::<DB, P>))
         .route("/api/v1/parked", get(api::parked::<DB, P>))
         .route("/api/v1/consumers", get(api::consumers::<DB, P>))
         .route("/api/v1/consumers/{group}/resume", post(api::resume::<DB, P>))
@@ -162,11 +174,14 @@ pub fn router<DB: Backend, P: Publisher + 'static>(
         .route("/consumers/{group}/resume", post(page::resume::<DB, P>))
         .route("/audit", get(page::audit::<DB, P>))
         .route("/actions/{action}", post(page::act::<DB, P>))
+        .route("/dead-letters/{id}/edit", post(page::edit::<DB, P>))
         .route("/login", get(page::login_form).post(page::login::<DB, P>))
         .route("/logout", post(page::logout::<DB, P>))
         .route("/static/console.css", get(page::stylesheet))
         .route("/favicon.ico", get(|| async { StatusCode::NO_CONTENT }))
         .fallback(|| async { (StatusCode::NOT_FOUND, "not found: the console's pages start at /\n") })
+        // Room for an edited payload at its limit, JSON-escaped; a larger body is refused before it is read.
+        .layer(axum::extract::DefaultBodyLimit::max(4 * api::MAX_EDITED_PAYLOAD))
         .layer(axum::middleware::map_response(secure))
         .with_state(console);
     Ok(router)

@@ -104,6 +104,24 @@ fn action(summary: &str, request: &str, ok: &str) -> Value {
     op
 }
 
+fn edit() -> Value {
+    let id = json!({ "name": "id", "in": "path", "required": true, "schema": integer() });
+    let mut op = operation(
+        "Dry-run an edited payload through the consumer's handler, or replay the edited copy.",
+        vec![id],
+        answer("The dry run's report, or the replay.", reference("EditResult")),
+        &[
+            ("403", "The user is a viewer."),
+            ("404", "No dead letter has that id."),
+            ("409", "Payloads are hidden, no handler or broker here, or the replay was refused or the letter is gone."),
+            ("502", "The broker refused the edited copy."),
+        ],
+    );
+    op["requestBody"] = body(reference("EditRequest"));
+    op["requestBody"]["required"] = true.into();
+    op
+}
+
 fn resume() -> Value {
     let group = json!({ "name": "group", "in": "path", "required": true, "schema": { "type": "string" } });
     operation(
@@ -177,6 +195,7 @@ pub fn document() -> Value {
             ) },
             "/api/v1/dead-letters/replay": { "post": action("Replay the selected dead letters.", "ActionRequest", "ReplayResult") },
             "/api/v1/dead-letters/discard": { "post": action("Discard the selected dead letters into the archive.", "DiscardRequest", "DiscardResult") },
+            "/api/v1/dead-letters/{id}/edit": { "post": edit() },
             "/api/v1/parked": { "get": operation(
                 "Parked messages in arrival order.",
                 listing(true),
@@ -246,6 +265,18 @@ pub fn document() -> Value {
                     "draining": { "type": "boolean" }, "paused": { "type": "boolean" }, "partitions": { "type": "integer" },
                     "stalled": { "type": "array", "items": { "type": "object" } }, "stats": { "type": "object" },
                 }), &["group", "ready", "running", "draining", "paused", "partitions", "stalled", "stats"]),
+                "EditRequest": object(json!({
+                    "payload": string(), "dry_run": { "type": "boolean" }, "force": { "type": "boolean" },
+                }), &["payload"]),
+                "EditResult": object(json!({
+                    "dry_run": { "type": "boolean" },
+                    "trial": object(json!({
+                        "ok": { "type": "boolean" }, "error": nullable_string(),
+                        "statements": { "type": "array", "items": object(json!({ "statement": string(), "rows": integer() }), &["statement", "rows"]) },
+                    }), &["ok", "error", "statements"]),
+                    "replayed": { "type": "boolean" },
+                    "audit_id": { "type": "integer", "format": "int64", "nullable": true },
+                }), &["dry_run"]),
                 "Resumed": object(json!({ "group": string(), "was_paused": { "type": "boolean" } }), &["group", "was_paused"]),
                 "AuditEntry": object(json!({
                     "id": integer(), "at": string(), "actor": string(), "action": string(), "subjects": string(),

@@ -402,6 +402,13 @@ pub async fn dead_letter<DB: Backend, P: Publisher + 'static>(
     }
     let hidden = format!(r#"<input type="hidden" name="ids" value="{id}">"#);
     body.push_str(&action_forms(&session, &hidden, 1));
+    if c.config.show_payloads && session.user.role >= Role::Operator {
+        let pretty = serde_json::from_slice::<serde_json::Value>(&letter.payload)
+            .ok()
+            .and_then(|v| serde_json::to_string_pretty(&v).ok())
+            .unwrap_or_else(|| String::from_utf8_lossy(&letter.payload).into_owned());
+        body.push_str(&edit_form(&session, id, &pretty, "dry", "Dry run the edit"));
+    }
     c.layout(&format!("Dead letter {id}"), &session, &body)
 }
 
@@ -742,4 +749,95 @@ pub async fn resume<DB: Backend, P: Publisher + 'static>(
         &session,
         &format!(r#"{body}<p><a href="/consumers">Consumers</a> · <a href="/audit">Audit trail</a></p>"#),
     )
+}
+
+/// The form that edits a letter's payload: a dry run first, then the retry.
+fn edit_form(session: &Session, id: i64, payload: &str, step: &str, button: &str) -> String {
+    format!(
+        r#"<h2>Edit and retry</h2><p class="note">The dry run runs the consumer's handler on the edited message in a transaction that is rolled back; the retry then publishes exactly what was tried, and keeps the original in the archive.</p><form method="post" action="/dead-letters/{id}/edit" class="edit">
+<input type="hidden" name="csrf" value="{csrf}"><input type="hidden" name="step" value="{step}">
+<textarea name="payload" id="edited" rows="12" cols="80">{payload}</textarea>
+<p><button id="{step}-edit">{button}</button></p></form>"#,
+        csrf = esc(&session.csrf),
+        payload = esc(payload),
+    )
+}
+
+/// `POST /dead-letters/{id}/edit`: `step=dry` runs the consumer's handler on the edited payload and rolls back,
+/// then offers the retry; `step=retry` replays the edited copy (the original kept in the archive).
+pub async fn edit<DB: Backend, P: Publisher + 'static>(
+    State(c): State<Arc<Console<DB, P>>>,
+    headers: HeaderMap,
+    Path(id): Path<i64>,
+    Form(form): Form<Vec<(String, String)>>,
+) -> Response {
+    if let Err(why) = same_origin(&headers) {
+        return failed(StatusCode::FORBIDDEN, &why);
+    }
+    let Some((_, session)) = c.session(&headers) else {
+        return failed(StatusCode::UNAUTHORIZED, "sign in first: /login");
+    };
+    if !csrf_ok(&session, field(&form, "csrf").unwrap_or_default()) {
+        return failed(StatusCode::FORBIDDEN, "this form has no valid CSRF token: reload the page and try again");
+    }
+    if session.user.role < Role::Operator {
+        return failed(
+            StatusCode::FORBIDDEN,
+            &format!("{} is a viewer: acting needs the operator role", session.user.name),
+        );
+    }
+    let payload = field(&form, "payload").unwrap_or_default().replace("\r\n", "\n");
+    let dry = field(&form, "step") != Some("retry");
+    let request = super::api::EditRequest { payload: Some(payload.clone()), dry_run: dry, force: false };
+    match c.edit(&session.user, id, &request).await {
+        Ok(super::api::Edited::Tried(report)) => {
+            let mut body = String::new();
+            if report.ok {
+                body.push_str(r#"<p id="trial" class="ok">The handler succeeds on the edited message (rolled back: nothing was written).</p>"#);
+            } else {
+                let _ = write!(
+                    body,
+                    r#"<p id="trial" class="error">The handler fails on the edited message: {}</p>"#,
+                    esc(report.error.as_deref().unwrap_or("unknown error"))
+                );
+            }
+            if !report.statements.is_empty() {
+                body.push_str("<table id=\"statements\"><tr><th>Statement</th><th>Rows</th></tr>");
+                for s in &report.statements {
+                    let _ = write!(body, "<tr><td>{}</td><td>{}</td></tr>", esc(&s.statement), s.rows);
+                }
+                body.push_str("</table>");
+            }
+            if report.ok {
+                // Exactly the payload that was tried, not an editable copy of it.
+                let _ = write!(
+                    body,
+                    r#"<form method="post" action="/dead-letters/{id}/edit"><input type="hidden" name="csrf" value="{}"><input type="hidden" name="step" value="retry"><input type="hidden" name="payload" value="{}"><p><button id="retry-edit">Retry with this payload</button></p></form>"#,
+                    esc(&session.csrf),
+                    esc(&payload)
+                );
+            }
+            body.push_str(&edit_form(&session, id, &payload, "dry", "Dry run again"));
+            c.layout(&format!("Dry run of dead letter {id}, edited"), &session, &body)
+        }
+        Ok(super::api::Edited::Replayed(entry)) => {
+            let link = entry.map_or_else(
+                || {
+                    r#"<p class="error">The audit trail could not record this action (see the console's log).</p>"#
+                        .to_owned()
+                },
+                |n| format!(r##"<p><a id="audit-link" href="/audit#audit-{n}">The audit trail's entry ({n})</a></p>"##),
+            );
+            let body = format!(
+                r#"<p id="done">Replayed dead letter {id} with the edited payload; the original is in the archive.</p>{link}"#
+            );
+            c.layout("Edit and retry done", &session, &body)
+        }
+        Err((status, why)) => {
+            let body = format!(r#"<p class="error" id="refused">{}</p><p>Nothing was done.</p>"#, esc(&why));
+            let mut page = c.layout("Not done", &session, &body);
+            *page.status_mut() = status;
+            page
+        }
+    }
 }

@@ -43,6 +43,14 @@ pub trait Archive: Store {
         letter: &DeadLetter,
         discard: &Discard<'_>,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+    /// Archives a copy of the dead letter as it is now, leaving it in place, if it is still `dead` (the original of
+    /// an edited letter, kept before the edited copy is replayed). `false` when there was no such row.
+    fn archive_copy(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        letter: &DeadLetter,
+        discard: &Discard<'_>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
     /// The newest `limit` archived letters (of `group`, or of every group), newest first.
     fn archived_letters(
         pool: &sqlx::Pool<Self>,
@@ -195,6 +203,23 @@ macro_rules! impl_archive {
             ) -> Result<Vec<$crate::store::archive::ArchivedLetter>, sqlx::Error> {
                 let statements = $crate::store::archive::Statements::new(tables, $style);
                 sqlx::query_as(&statements.select).bind(group).bind(limit).fetch_all(pool).await
+            }
+
+            async fn archive_copy(
+                pool: &sqlx::Pool<$db>,
+                tables: &$crate::store::Tables,
+                l: &$crate::store::DeadLetter,
+                d: &$crate::store::archive::Discard<'_>,
+            ) -> Result<bool, sqlx::Error> {
+                let statements = $crate::store::archive::Statements::new(tables, $style);
+                let copied = sqlx::query(&statements.insert)
+                    .bind(d.at_ms)
+                    .bind(d.actor)
+                    .bind(d.reason)
+                    .bind(l.id)
+                    .execute(pool)
+                    .await?;
+                Ok(copied.rows_affected() > 0)
             }
 
             async fn archived_letter(
