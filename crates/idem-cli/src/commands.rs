@@ -75,50 +75,6 @@ pub enum BrokerTarget {
     PubSub(String),
 }
 
-/// The command-line flags that name a [`BrokerTarget`]: exactly one of them.
-#[derive(clap::Args, Debug)]
-pub struct BrokerFlags {
-    /// The embedded log (its directory).
-    #[arg(long, required_unless_present_any = ["kafka", "nats", "rabbitmq", "sqs", "pubsub"], conflicts_with_all = ["kafka", "nats", "rabbitmq", "sqs", "pubsub"])]
-    pub log_dir: Option<PathBuf>,
-    /// Kafka brokers (host:port).
-    #[arg(long, conflicts_with_all = ["nats", "rabbitmq", "sqs", "pubsub"])]
-    pub kafka: Option<String>,
-    /// A NATS JetStream server (nats://host:port).
-    #[arg(long, conflicts_with_all = ["rabbitmq", "sqs", "pubsub"])]
-    pub nats: Option<String>,
-    /// A RabbitMQ server (amqp://user:password@host:port/vhost).
-    #[arg(long, conflicts_with_all = ["sqs", "pubsub"])]
-    pub rabbitmq: Option<String>,
-    /// Amazon SQS: an SQS-compatible endpoint (http://host:port) or `aws` (the standard AWS configuration's);
-    /// a message goes back to the queue it came from, in its message group.
-    #[arg(long, conflicts_with = "pubsub")]
-    pub sqs: Option<String>,
-    /// Google Cloud Pub/Sub: the project (credentials from the standard Google configuration; the emulator from
-    /// PUBSUB_EMULATOR_HOST); a message goes back to the topic it came from, under its ordering key.
-    #[arg(long)]
-    pub pubsub: Option<String>,
-}
-
-impl BrokerFlags {
-    /// The broker the flags name.
-    pub fn target(self) -> anyhow::Result<BrokerTarget> {
-        if let Some(endpoint) = self.sqs {
-            return Ok(BrokerTarget::Sqs(endpoint));
-        }
-        if let Some(project) = self.pubsub {
-            return Ok(BrokerTarget::PubSub(project));
-        }
-        Ok(match (self.log_dir, self.kafka, self.nats, self.rabbitmq) {
-            (_, Some(brokers), _, _) => BrokerTarget::Kafka(brokers),
-            (_, None, Some(url), _) => BrokerTarget::Nats(url),
-            (_, None, None, Some(url)) => BrokerTarget::Rabbitmq(url),
-            (Some(dir), None, None, None) => BrokerTarget::Log(dir),
-            (None, None, None, None) => bail!("give --log-dir, --kafka, --nats, --rabbitmq, --sqs or --pubsub"),
-        })
-    }
-}
-
 /// At most one broker, or none: `idem relay` (none when every destination is a URL; a destination is a topic,
 /// subject, queue's name or URL, and a message's key its partition key, FIFO group or ordering key) and `idem
 /// console` (none: replays are refused).
@@ -145,6 +101,16 @@ pub struct OptionalBrokerFlags {
 }
 
 impl OptionalBrokerFlags {
+    /// The broker the flags name, where a command needs one (`idem dead-letters replay`).
+    pub fn required(self) -> anyhow::Result<BrokerTarget> {
+        self.target().ok_or_else(|| {
+            anyhow::anyhow!(
+                "where to publish: give --log-dir DIR, --kafka BROKERS, --nats URL, --rabbitmq URL, --sqs ENDPOINT \
+                 or --pubsub PROJECT (each message goes back to the topic, subject or queue it came from)"
+            )
+        })
+    }
+
     /// The broker the flags name, if one.
     pub fn target(self) -> Option<BrokerTarget> {
         Some(match self {

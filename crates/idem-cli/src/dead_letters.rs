@@ -13,7 +13,7 @@ use idem::store::DeadLetter;
 
 use crate::DbArgs;
 use crate::audit::{Actor, note};
-use crate::commands::{BrokerFlags, BrokerTarget};
+use crate::commands::{BrokerTarget, OptionalBrokerFlags};
 use crate::db::Db;
 use crate::with_pool;
 
@@ -45,15 +45,15 @@ pub enum DeadLetterCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Replay dead letters: remove marker and row together and publish the stored message again. A letter
-    /// older than every marker its group keeps is refused without --force (its marker was pruned: a copy
+    /// Replay dead letters: remove marker and row together and publish the stored message again (a --dry-run
+    /// needs no broker). A letter older than every marker its group keeps is refused without --force (its marker was pruned: a copy
     /// delivered since may have been applied); one whose event was applied since is always refused.
     Replay {
         #[command(flatten)]
         db: DbArgs,
         /// Where to publish: each message goes back to the topic, subject or queue it came from.
         #[command(flatten)]
-        to: BrokerFlags,
+        to: OptionalBrokerFlags,
         /// Dead-letter ids to replay (see `list`).
         ids: Vec<i64>,
         /// Every dead letter the filters take (all of them without filters).
@@ -159,12 +159,13 @@ pub async fn run(command: DeadLetterCommand) -> anyhow::Result<ExitCode> {
         DeadLetterCommand::List { db, select, limit, json } => list(&db, &select.filter()?, limit, json).await,
         DeadLetterCommand::Groups { db, select, json } => groups(&db, &select.filter()?, json).await,
         DeadLetterCommand::Replay { db, to, ids, all, select, force, dry_run, json, actor } => {
-            let target = to.target()?;
+            // A dry run publishes nothing: it needs no broker.
+            let target = if dry_run { to.target() } else { Some(to.required()?) };
             let safety = if force { Safety::Forced } else { Safety::Checked };
             let filter = select.filter()?;
             let chosen = Chosen { ids: &ids, all, filter: &filter };
             let how = Acting { actor: actor.name(), dry_run, json };
-            replay(&db, &target, &chosen, safety, &how).await
+            replay(&db, target.as_ref(), &chosen, safety, &how).await
         }
         DeadLetterCommand::Discard { db, ids, all, select, reason, dry_run, json, actor } => {
             if reason.trim().is_empty() {
@@ -275,7 +276,7 @@ async fn taken(
 
 async fn replay(
     args: &DbArgs,
-    target: &BrokerTarget,
+    target: Option<&BrokerTarget>,
     chosen: &Chosen<'_>,
     safety: Safety,
     how: &Acting,
@@ -284,9 +285,8 @@ async fn replay(
     let forced = if safety == Safety::Forced { ", forced" } else { "" };
     let refused_subjects = format!("{}{forced}", chosen.subjects(&[]));
     let letters = taken(&db, &tables, chosen, how, "replay", refused_subjects).await?;
-    let tally = if how.dry_run {
-        with_pool!(&db, pool => idem::dead_letter::check_each(pool, &tables, &letters, safety, |l, r| progress(how, l, r)).await)
-    } else {
+    // Without a broker (a dry run's), only the check runs.
+    let tally = if let (false, Some(target)) = (how.dry_run, target) {
         let tally = replay_to(&db, &tables, target, &letters, safety, how).await;
         let taken: Vec<i64> = letters.iter().map(|l| l.id).collect();
         let subjects = format!("{}{forced}", chosen.subjects(&taken));
@@ -297,6 +297,8 @@ async fn replay(
         };
         note(&db, &tables, &how.actor, "dead-letters replay", subjects, &outcome, count).await;
         tally?
+    } else {
+        with_pool!(&db, pool => idem::dead_letter::check_each(pool, &tables, &letters, safety, |l, r| progress(how, l, r)).await)
     };
     report(&tally, how);
     if let Some(error) = &tally.stopped_by {

@@ -105,6 +105,26 @@ fn failed(status: StatusCode, why: &str) -> Response {
     refuse(status, why)
 }
 
+/// The session of an operator's form: from this console's own pages (same origin), signed in, with the session's
+/// CSRF token, by an operator; else the status and why.
+fn operator_form<DB: Backend, P: Publisher + 'static>(
+    c: &Console<DB, P>,
+    headers: &HeaderMap,
+    form: &[(String, String)],
+) -> Result<Session, super::api::Refusal> {
+    same_origin(headers).map_err(|why| (StatusCode::FORBIDDEN, why))?;
+    let (_, session) = c.session(headers).ok_or((StatusCode::UNAUTHORIZED, "sign in first: /login".to_owned()))?;
+    if !csrf_ok(&session, field(form, "csrf").unwrap_or_default()) {
+        let why = "this form has no valid CSRF token: reload the page and try again";
+        return Err((StatusCode::FORBIDDEN, why.to_owned()));
+    }
+    if session.user.role < Role::Operator {
+        let why = format!("{} is a viewer: acting needs the operator role", session.user.name);
+        return Err((StatusCode::FORBIDDEN, why));
+    }
+    Ok(session)
+}
+
 /// `GET /login`.
 pub async fn login_form() -> Response {
     login_page("")
@@ -420,21 +440,10 @@ pub async fn act<DB: Backend, P: Publisher + 'static>(
     Path(action): Path<String>,
     Form(form): Form<Vec<(String, String)>>,
 ) -> Response {
-    if let Err(why) = same_origin(&headers) {
-        return failed(StatusCode::FORBIDDEN, &why);
-    }
-    let Some((_, session)) = c.session(&headers) else {
-        return failed(StatusCode::UNAUTHORIZED, "sign in first: /login");
+    let session = match operator_form(&c, &headers, &form) {
+        Ok(session) => session,
+        Err((status, why)) => return failed(status, &why),
     };
-    if !csrf_ok(&session, field(&form, "csrf").unwrap_or_default()) {
-        return failed(StatusCode::FORBIDDEN, "this form has no valid CSRF token: reload the page and try again");
-    }
-    if session.user.role < Role::Operator {
-        return failed(
-            StatusCode::FORBIDDEN,
-            &format!("{} is a viewer: acting needs the operator role", session.user.name),
-        );
-    }
     let mut ids = Vec::new();
     for (name, value) in form.iter().filter(|(k, _)| k == "ids") {
         match value.trim().parse::<i64>() {
@@ -716,21 +725,10 @@ pub async fn resume<DB: Backend, P: Publisher + 'static>(
     Path(group): Path<String>,
     Form(form): Form<Vec<(String, String)>>,
 ) -> Response {
-    if let Err(why) = same_origin(&headers) {
-        return failed(StatusCode::FORBIDDEN, &why);
-    }
-    let Some((_, session)) = c.session(&headers) else {
-        return failed(StatusCode::UNAUTHORIZED, "sign in first: /login");
+    let session = match operator_form(&c, &headers, &form) {
+        Ok(session) => session,
+        Err((status, why)) => return failed(status, &why),
     };
-    if !csrf_ok(&session, field(&form, "csrf").unwrap_or_default()) {
-        return failed(StatusCode::FORBIDDEN, "this form has no valid CSRF token: reload the page and try again");
-    }
-    if session.user.role < Role::Operator {
-        return failed(
-            StatusCode::FORBIDDEN,
-            &format!("{} is a viewer: acting needs the operator role", session.user.name),
-        );
-    }
     let body = match c.resume(&session.user, &group) {
         Ok(true) => format!(
             r#"<p id="done">{} resumed: it tries the message that tripped the kill switch again.</p>"#,
@@ -771,21 +769,10 @@ pub async fn edit<DB: Backend, P: Publisher + 'static>(
     Path(id): Path<i64>,
     Form(form): Form<Vec<(String, String)>>,
 ) -> Response {
-    if let Err(why) = same_origin(&headers) {
-        return failed(StatusCode::FORBIDDEN, &why);
-    }
-    let Some((_, session)) = c.session(&headers) else {
-        return failed(StatusCode::UNAUTHORIZED, "sign in first: /login");
+    let session = match operator_form(&c, &headers, &form) {
+        Ok(session) => session,
+        Err((status, why)) => return failed(status, &why),
     };
-    if !csrf_ok(&session, field(&form, "csrf").unwrap_or_default()) {
-        return failed(StatusCode::FORBIDDEN, "this form has no valid CSRF token: reload the page and try again");
-    }
-    if session.user.role < Role::Operator {
-        return failed(
-            StatusCode::FORBIDDEN,
-            &format!("{} is a viewer: acting needs the operator role", session.user.name),
-        );
-    }
     let payload = field(&form, "payload").unwrap_or_default().replace("\r\n", "\n");
     let dry = field(&form, "step") != Some("retry");
     let request = super::api::EditRequest { payload: Some(payload.clone()), dry_run: dry, force: false };
