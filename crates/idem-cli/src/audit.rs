@@ -51,6 +51,12 @@ pub async fn note<T, E: std::fmt::Display>(
     }
 }
 
+/// Text as a terminal may print it: a control character (a line break, an escape) written as its escape, so an
+/// entry cannot forge another line or move the cursor.
+fn printable(text: &str) -> String {
+    text.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
+}
+
 /// `idem audit …`.
 #[derive(Subcommand, Debug)]
 pub enum AuditCommand {
@@ -101,14 +107,14 @@ pub async fn run(command: AuditCommand) -> anyhow::Result<ExitCode> {
                 "{:>6}  {:<24}  {:<actor$}  {:<action$}  {:>6}  {:<7} {}",
                 e.id,
                 idem::store::rfc3339_from_ms(e.at_ms),
-                e.actor,
+                printable(&e.actor),
                 e.action,
                 e.count,
                 if ok { "ok" } else { "failed" },
-                e.subjects
+                printable(&e.subjects)
             );
             if !ok {
-                println!("{:>8}{}", "", e.outcome.strip_prefix("failed: ").unwrap_or(&e.outcome));
+                println!("{:>8}{}", "", printable(e.outcome.strip_prefix("failed: ").unwrap_or(&e.outcome)));
             }
         }
     }

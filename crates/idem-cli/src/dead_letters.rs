@@ -168,8 +168,8 @@ pub async fn run(command: DeadLetterCommand) -> anyhow::Result<ExitCode> {
             replay(&db, target.as_ref(), &chosen, safety, &how).await
         }
         DeadLetterCommand::Discard { db, ids, all, select, reason, dry_run, json, actor } => {
-            if reason.trim().is_empty() {
-                bail!("--reason is empty: say why these dead letters are discarded (the archive keeps it)");
+            if let Err(why) = idem::dead_letter::check_reason(&reason) {
+                bail!("--reason: {why}");
             }
             let filter = select.filter()?;
             let chosen = Chosen { ids: &ids, all, filter: &filter };
@@ -305,8 +305,9 @@ async fn replay(
         let (what, done) = if how.dry_run { ("check", "checked") } else { ("replay", "replayed") };
         bail!("the {what} stopped after {} dead letter(s) {done}: {error}", tally.replayed.len());
     }
-    // A dry run did what it was asked (its report says which would be refused); a replay that refused some fails.
-    if !tally.refused.is_empty() && !how.dry_run {
+    // A dry run did what it was asked (its report says which would be refused); a replay that refused some, or
+    // found some at another operator's hands, fails.
+    if (!tally.refused.is_empty() || !tally.busy.is_empty()) && !how.dry_run {
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
@@ -322,6 +323,11 @@ fn progress(how: &Acting, letter: &DeadLetter, replayed: Replayed) {
         Replayed::Published if how.dry_run => println!("would replay {} ({event})", letter.id),
         Replayed::Published => println!("replayed {} ({event})", letter.id),
         Replayed::Gone => println!("{}: gone (replayed or discarded meanwhile)", letter.id),
+        Replayed::Busy { since_ms } => eprintln!(
+            "{}: being replayed by another operator since {}; nothing published for it",
+            letter.id,
+            idem::store::rfc3339_from_ms(since_ms)
+        ),
         Replayed::Refused(risk) => eprintln!("refused: {}", risk.explain(letter)),
     }
 }

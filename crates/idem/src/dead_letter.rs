@@ -57,6 +57,11 @@ pub enum Replayed {
     Published,
     /// No dead letter has that id any more.
     Gone,
+    /// Another replay of it is at work (begun less than [`crate::store::replay::REPLAY_LEASE`] ago): nothing done.
+    Busy {
+        /// When that replay began, ms since the epoch.
+        since_ms: i64,
+    },
     /// Not replayed: it could apply the effect twice.
     Refused(ReplayRisk),
 }
@@ -108,6 +113,7 @@ pub async fn replay<DB: Backend, P: Publisher>(
     match DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, false).await? {
         ReplayStart::Started => {}
         ReplayStart::Gone => return Ok(Replayed::Gone),
+        ReplayStart::Busy { since_ms } => return Ok(Replayed::Busy { since_ms }),
         ReplayStart::Refused(risk) => return Ok(Replayed::Refused(risk)),
     }
     let mut copy = letter.message();
@@ -143,6 +149,7 @@ pub async fn replay_edited<DB: Backend, P: Publisher>(
     match DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, false).await? {
         ReplayStart::Started => {}
         ReplayStart::Gone => return Ok(Replayed::Gone),
+        ReplayStart::Busy { since_ms } => return Ok(Replayed::Busy { since_ms }),
         ReplayStart::Refused(risk) => return Ok(Replayed::Refused(risk)),
     }
     let mut copy = letter.message();
@@ -168,6 +175,7 @@ pub async fn check_replay<DB: Backend>(
     Ok(match DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, true).await? {
         ReplayStart::Started => Replayed::Published,
         ReplayStart::Gone => Replayed::Gone,
+        ReplayStart::Busy { since_ms } => Replayed::Busy { since_ms },
         ReplayStart::Refused(risk) => Replayed::Refused(risk),
     })
 }
@@ -181,6 +189,8 @@ pub struct Tally {
     pub refused: Vec<(i64, ReplayRisk, String)>,
     /// Gone meanwhile (replayed or discarded by someone else).
     pub gone: Vec<i64>,
+    /// Being replayed by someone else right now: the id and when that replay began (ms since the epoch).
+    pub busy: Vec<(i64, i64)>,
     /// The error that stopped the run, naming the letter.
     pub stopped_by: Option<String>,
 }
@@ -190,6 +200,7 @@ impl Tally {
         match replayed {
             Replayed::Published => self.replayed.push(letter.id),
             Replayed::Gone => self.gone.push(letter.id),
+            Replayed::Busy { since_ms } => self.busy.push((letter.id, since_ms)),
             Replayed::Refused(risk) => self.refused.push((letter.id, risk, risk.explain(letter))),
         }
     }
@@ -203,8 +214,13 @@ impl Tally {
             .map(|(id, risk, why)| serde_json::json!({ "id": id, "risk": risk.as_str(), "why": why }))
             .collect();
         let done = if dry_run { "would_replay" } else { "replayed" };
+        let busy: Vec<serde_json::Value> = self
+            .busy
+            .iter()
+            .map(|(id, since)| serde_json::json!({ "id": id, "since": crate::store::rfc3339_from_ms(*since) }))
+            .collect();
         serde_json::json!({
-            "dry_run": dry_run, done: self.replayed, "refused": refused, "gone": self.gone,
+            "dry_run": dry_run, done: self.replayed, "refused": refused, "gone": self.gone, "busy": busy,
             "stopped_by": self.stopped_by,
         })
     }
@@ -217,6 +233,10 @@ impl Tally {
         if !self.refused.is_empty() {
             let ids: Vec<i64> = self.refused.iter().map(|r| r.0).collect();
             return Err(format!("ids {} refused: a replay could apply their effect twice", selection::join(&ids)));
+        }
+        if !self.busy.is_empty() {
+            let ids: Vec<i64> = self.busy.iter().map(|b| b.0).collect();
+            return Err(format!("ids {} were being replayed by another operator", selection::join(&ids)));
         }
         Ok(())
     }
@@ -288,6 +308,25 @@ fn reused_id(letter: &DeadLetter) -> bool {
     letter.error.starts_with(ID_REUSED_PREFIX)
 }
 
+/// The longest discard reason, in characters.
+pub const MAX_REASON: usize = 1_000;
+
+/// Whether `reason` can be a discard's reason: some text, one line without control characters, at most
+/// [`MAX_REASON`] characters (it is kept in the archive and the audit trail, and printed on terminals).
+pub fn check_reason(reason: &str) -> Result<(), String> {
+    if reason.trim().is_empty() {
+        return Err("a discard needs a reason (--reason TEXT): the archive keeps it".into());
+    }
+    let length = reason.chars().count();
+    if length > MAX_REASON {
+        return Err(format!("the reason is {length} characters: say why in at most {MAX_REASON}"));
+    }
+    if reason.chars().any(char::is_control) {
+        return Err("the reason holds a line break or a control character: write it on one line".into());
+    }
+    Ok(())
+}
+
 /// Discards dead letters: each, in one transaction, leaves the dead letters for the archive with who discarded
 /// it, when and why. Its marker stays, so a redelivery of the event is still absorbed. Returns the ids of those
 /// discarded (a letter under replay, or gone, is left).
@@ -298,9 +337,7 @@ pub async fn discard<DB: Backend>(
     actor: &str,
     reason: &str,
 ) -> Result<Vec<i64>, Error> {
-    if reason.trim().is_empty() {
-        return Err(Error::Config("a discard needs a reason (--reason TEXT): the archive keeps it".into()));
-    }
+    check_reason(reason).map_err(Error::Config)?;
     let discard = Discard { actor, reason, at_ms: crate::engine::now_ms() };
     let mut discarded = Vec::new();
     for letter in letters {

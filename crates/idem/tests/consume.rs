@@ -217,6 +217,10 @@ where
     copy.headers.push((idem::dead_letter::REPLAY_FOR_HEADER.into(), letters[0].consumer_group.clone().into_bytes()));
     producer.publish(&copy).await.unwrap();
     assert_eq!(run().await.processed, 1);
+    // Within its lease the first replay is another operator's at work: nothing is done.
+    assert!(matches!(replay(&pool, &producer, &letters[0], Safety::Checked).await, Replayed::Busy { .. }));
+    // Its process died between its steps: once the lease ran out, a second replay resumes it.
+    pool.exec("UPDATE dead_letters SET replay_started_at_ms = 1 WHERE event_id = 'p1'").await;
     assert_eq!(replay(&pool, &producer, &letters[0], Safety::Checked).await, Replayed::Published);
     assert_eq!(run().await.duplicate, 1, "the second copy is absorbed by the first copy's marker");
     assert_eq!(ledger_rows(&pool, "p1").await, 1);

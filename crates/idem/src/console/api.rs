@@ -63,15 +63,13 @@ pub struct Page {
 }
 
 /// An action's selection and options, as the API's body or the page's form gives them.
-#[derive(Debug, Default, serde::Deserialize)]
-#[serde(default)]
+#[derive(Debug, Default)]
 pub struct ActionRequest {
     /// Dead-letter ids.
     pub ids: Vec<i64>,
     /// Every letter the filters take (needed without ids and without a narrowing filter).
     pub all: bool,
     /// The filters.
-    #[serde(flatten)]
     pub filter: FilterSpec,
     /// Replay: accept letters older than the markers kept.
     pub force: bool,
@@ -79,6 +77,36 @@ pub struct ActionRequest {
     pub dry_run: bool,
     /// Discard: why (kept in the archive and the audit trail).
     pub reason: Option<String>,
+}
+
+/// An action's body as the API takes it: every field named (an unknown one, such as a misspelt `dry_run`, is
+/// refused rather than ignored).
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ActionBody {
+    ids: Vec<i64>,
+    all: bool,
+    group: Option<String>,
+    matching: Option<String>,
+    fingerprint: Option<String>,
+    older_than: Option<String>,
+    message_type: Option<String>,
+    force: bool,
+    dry_run: bool,
+    reason: Option<String>,
+}
+
+impl From<ActionBody> for ActionRequest {
+    fn from(b: ActionBody) -> Self {
+        let filter = FilterSpec {
+            group: b.group,
+            matching: b.matching,
+            fingerprint: b.fingerprint,
+            older_than: b.older_than,
+            message_type: b.message_type,
+        };
+        ActionRequest { ids: b.ids, all: b.all, filter, force: b.force, dry_run: b.dry_run, reason: b.reason }
+    }
 }
 
 /// What an action did, or why it did nothing.
@@ -127,6 +155,10 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
         action: &str,
         request: &ActionRequest,
     ) -> Result<(Acted, Option<i64>), Refusal> {
+        if !request.ids.is_empty() && request.all {
+            let why = "ids and all: name the letters by id, or take all that the filters take, not both";
+            return Err((StatusCode::BAD_REQUEST, why.into()));
+        }
         let filter = self.filter(request.filter.clone())?;
         let chosen = Chosen { ids: &request.ids, all: request.all, filter: &filter };
         let (verb, audit_action) = match action {
@@ -135,8 +167,10 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
             other => return Err((StatusCode::NOT_FOUND, format!("no action `{other}`: replay or discard"))),
         };
         let reason = request.reason.as_deref().map(str::trim).unwrap_or_default();
-        if verb == "discard" && reason.is_empty() {
-            return Err((StatusCode::BAD_REQUEST, "reason: say why these dead letters are discarded".into()));
+        if verb == "discard"
+            && let Err(why) = crate::dead_letter::check_reason(reason)
+        {
+            return Err((StatusCode::BAD_REQUEST, format!("reason: {why}")));
         }
         if verb == "replay" && self.publisher.is_none() && !request.dry_run {
             return Err((
@@ -316,7 +350,7 @@ pub(crate) async fn find<DB: Backend, P: Publisher + 'static>(
 pub async fn replay<DB: Backend, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
-    body: Result<Json<ActionRequest>, axum::extract::rejection::JsonRejection>,
+    body: Result<Json<ActionBody>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
     act_api(&c, &headers, "replay", body).await
 }
@@ -325,7 +359,7 @@ pub async fn replay<DB: Backend, P: Publisher + 'static>(
 pub async fn discard<DB: Backend, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
-    body: Result<Json<ActionRequest>, axum::extract::rejection::JsonRejection>,
+    body: Result<Json<ActionBody>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
     act_api(&c, &headers, "discard", body).await
 }
@@ -334,14 +368,14 @@ async fn act_api<DB: Backend, P: Publisher + 'static>(
     c: &Console<DB, P>,
     headers: &HeaderMap,
     action: &str,
-    body: Result<Json<ActionRequest>, axum::extract::rejection::JsonRejection>,
+    body: Result<Json<ActionBody>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
     let user = match c.api_user(headers, Role::Operator) {
         Ok(user) => user,
         Err((status, why)) => return error(status, &why),
     };
-    let Json(request) = match body {
-        Ok(body) => body,
+    let request = match body {
+        Ok(Json(body)) => ActionRequest::from(body),
         Err(rejection) => return error(StatusCode::BAD_REQUEST, &format!("the body: {rejection}")),
     };
     match c.act(&user, action, &request).await {
@@ -471,9 +505,9 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
 /// The largest edited payload the console takes.
 pub const MAX_EDITED_PAYLOAD: usize = 1 << 20;
 
-/// An edit of one dead letter's payload.
+/// An edit of one dead letter's payload (an unknown field is refused).
 #[derive(Debug, Default, serde::Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct EditRequest {
     /// The edited payload, as text (JSON when the original is JSON).
     pub payload: Option<String>,
@@ -553,6 +587,13 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
             Ok(crate::dead_letter::Replayed::Gone) => {
                 (StatusCode::CONFLICT, format!("dead letter {id} is gone: replayed or discarded meanwhile"))
             }
+            Ok(crate::dead_letter::Replayed::Busy { since_ms }) => (
+                StatusCode::CONFLICT,
+                format!(
+                    "dead letter {id} is being replayed by another operator since {}: nothing was done",
+                    crate::store::rfc3339_from_ms(since_ms)
+                ),
+            ),
             Err(e) => (StatusCode::BAD_GATEWAY, format!("the edited copy was not published: {e}")),
         };
         self.audit(user, action, subjects, 0, &Err(refusal.1.clone())).await;

@@ -87,6 +87,12 @@ impl Users {
             let role = Role::parse(role).map_err(|why| bad(&why))?;
             let hex = hash.strip_prefix("sha256:").ok_or_else(|| bad("the hash starts with `sha256:`"))?;
             let hash = decode_hex(hex).ok_or_else(|| bad("the hash is 64 hexadecimal digits after `sha256:`"))?;
+            if let Some((other, _)) = users.entries.iter().find(|(user, _)| user.name == name) {
+                return Err(bad(&format!("`{}` is named twice: one line per user", other.name)));
+            }
+            if let Some((other, _)) = users.entries.iter().find(|(_, h)| *h == hash) {
+                return Err(bad(&format!("the same token as `{}`: each user has a token of their own", other.name)));
+            }
             users.entries.push((User { name: name.to_owned(), role }, hash));
         }
         Ok(users)
@@ -216,6 +222,10 @@ mod tests {
         let err = Users::parse("carol viewer sha256:00").unwrap_err().to_string();
         assert!(err.contains("64 hexadecimal digits"), "{err}");
         assert!(Users::parse("carol viewer").unwrap_err().to_string().contains("three fields"));
+        let twice = format!("a viewer {}\na operator {}", token_line_hash("x"), token_line_hash("y"));
+        assert!(Users::parse(&twice).unwrap_err().to_string().contains("line 2"));
+        let shared = format!("a viewer {}\nb operator {}", token_line_hash("x"), token_line_hash("x"));
+        assert!(Users::parse(&shared).unwrap_err().to_string().contains("same token"));
     }
 
     #[test]

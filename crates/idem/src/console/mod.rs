@@ -88,7 +88,7 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
         let token = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(|v| v.get(..7).filter(|scheme| scheme.eq_ignore_ascii_case("bearer ")).and(v.get(7..)))
             .ok_or_else(|| {
                 let why = "send `Authorization: Bearer TOKEN` (a token of the console's users)";
                 (StatusCode::UNAUTHORIZED, why.to_owned())

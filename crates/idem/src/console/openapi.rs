@@ -241,20 +241,22 @@ pub fn document() -> Value {
                     "total": { "type": "integer" },
                     "next_after": { "type": "integer", "format": "int64", "nullable": true },
                 }), &["items", "total", "next_after"]),
-                "ActionRequest": { "type": "object", "properties": action_properties() },
+                "ActionRequest": { "type": "object", "properties": action_properties(), "additionalProperties": false },
                 "DiscardRequest": {
                     "type": "object",
                     "properties": action_properties(),
                     "required": ["reason"],
+                    "additionalProperties": false,
                 },
                 "ReplayResult": object(json!({
                     "dry_run": { "type": "boolean" }, "replayed": ids(), "would_replay": ids(), "gone": ids(),
                     "refused": { "type": "array", "items": object(json!({
                         "id": integer(), "risk": { "type": "string", "enum": ["markers_pruned", "applied_since", "id_reused"] }, "why": string(),
                     }), &["id", "risk", "why"]) },
+                    "busy": { "type": "array", "items": object(json!({ "id": integer(), "since": string() }), &["id", "since"]) },
                     "stopped_by": nullable_string(),
                     "audit_id": { "type": "integer", "format": "int64", "nullable": true, "description": "The audit trail's entry (none for a dry run)." },
-                }), &["dry_run", "refused", "gone", "stopped_by", "audit_id"]),
+                }), &["dry_run", "refused", "gone", "busy", "stopped_by", "audit_id"]),
                 "DiscardResult": object(json!({
                     "dry_run": { "type": "boolean" }, "discarded": ids(), "would_discard": ids(), "left": ids(),
                     "audit_id": { "type": "integer", "format": "int64", "nullable": true, "description": "The audit trail's entry (none for a dry run)." },
@@ -265,9 +267,12 @@ pub fn document() -> Value {
                     "draining": { "type": "boolean" }, "paused": { "type": "boolean" }, "partitions": { "type": "integer" },
                     "stalled": { "type": "array", "items": { "type": "object" } }, "stats": { "type": "object" },
                 }), &["group", "ready", "running", "draining", "paused", "partitions", "stalled", "stats"]),
-                "EditRequest": object(json!({
-                    "payload": string(), "dry_run": { "type": "boolean" }, "force": { "type": "boolean" },
-                }), &["payload"]),
+                "EditRequest": {
+                    "type": "object",
+                    "properties": { "payload": string(), "dry_run": { "type": "boolean" }, "force": { "type": "boolean" } },
+                    "required": ["payload"],
+                    "additionalProperties": false,
+                },
                 "EditResult": object(json!({
                     "dry_run": { "type": "boolean" },
                     "trial": object(json!({

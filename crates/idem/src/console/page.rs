@@ -348,7 +348,7 @@ pub async fn dead_letters<DB: Backend, P: Publisher + 'static>(
     let Some(session) = signed_in(&c, &headers) else {
         return to_sign_in();
     };
-    let spec = page.filter.clone();
+    let (spec, limit) = (page.filter.clone(), page.limit);
     let (letters, total, next) = match super::api::page_of(&c, page).await {
         Ok(page) => page,
         Err((status, why)) => return failed(status, &why),
@@ -362,8 +362,10 @@ pub async fn dead_letters<DB: Backend, P: Publisher + 'static>(
         body.push_str(&letters_table(&letters));
     }
     if let Some(after) = next {
-        let query = filter_query(&spec);
-        let _ = write!(body, r#"<p><a id="next" href="/dead-letters?{query}&after={after}">Next page</a></p>"#);
+        let mut query: Vec<String> = vec![filter_query(&spec), format!("after={after}")];
+        query.extend(limit.map(|n| format!("limit={n}")));
+        let query = query.into_iter().filter(|part| !part.is_empty()).collect::<Vec<_>>().join("&");
+        let _ = write!(body, r#"<p><a id="next" href="/dead-letters?{query}">Next page</a></p>"#);
     }
     c.layout("Dead letters", &session, &body)
 }
@@ -545,6 +547,13 @@ fn result_page<DB: Backend, P: Publisher + 'static>(
             );
             for (id, _, why) in &tally.refused {
                 let _ = write!(body, r#"<p class="refused">Refused {id}: {}</p>"#, esc(why));
+            }
+            for (id, since) in &tally.busy {
+                let _ = write!(
+                    body,
+                    r#"<p class="refused">Not replayed {id}: another operator's replay of it began at {}.</p>"#,
+                    rfc3339_from_ms(*since)
+                );
             }
             if !tally.gone.is_empty() {
                 let _ = write!(body, "<p>Gone meanwhile: {}.</p>", crate::dead_letter::selection::join(&tally.gone));

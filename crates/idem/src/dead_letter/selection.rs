@@ -309,6 +309,9 @@ impl Chosen<'_> {
         if !self.ids.is_empty() {
             return format!("ids {}", join(self.ids));
         }
+        if !self.all && !self.filter.narrows() {
+            return "nothing named".to_owned();
+        }
         let filters = self.filter.describe();
         if taken.is_empty() { filters } else { format!("{filters}: ids {}", join(taken)) }
     }

@@ -14,9 +14,19 @@ pub enum ReplayStart {
     Started,
     /// No dead letter has that id any more (replayed or discarded since).
     Gone,
+    /// Another replay of it began less than [`REPLAY_LEASE`] ago (another operator's, at work): nothing done.
+    Busy {
+        /// When that replay began, ms since the epoch.
+        since_ms: i64,
+    },
     /// Refused: replaying could apply the effect twice.
     Refused(ReplayRisk),
 }
+
+/// How long a replay holds its dead letter: a second replay within it is refused as another's at work
+/// ([`ReplayStart::Busy`]); after it, the first is taken for cut short (its process died between its steps) and the
+/// second resumes it.
+pub const REPLAY_LEASE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Why a replay could apply an effect twice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,7 +66,7 @@ where
     for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
     i64: sqlx::Type<DB> + for<'q> sqlx::Encode<'q, DB> + for<'r> sqlx::Decode<'r, DB>,
     String: sqlx::Type<DB> + for<'q> sqlx::Encode<'q, DB>,
-    (String, Option<String>, String): for<'r> sqlx::FromRow<'r, DB::Row>,
+    (String, Option<String>, String, Option<i64>): for<'r> sqlx::FromRow<'r, DB::Row>,
     (i64,): for<'r> sqlx::FromRow<'r, DB::Row>,
 {
     let render = |sql: &str| style.finish(&tables.render(sql));
@@ -72,17 +82,24 @@ where
     };
     let mut conn = pool.acquire().await?;
     let mut tx = conn.begin_with(open).await?;
-    let row: Option<(String, Option<String>, String)> = sqlx::query_as(&render(&format!(
-        "SELECT {}, {}, status FROM {{t}}dead_letters WHERE id = ?{lock}",
+    let row: Option<(String, Option<String>, String, Option<i64>)> = sqlx::query_as(&render(&format!(
+        "SELECT {}, {}, status, replay_started_at_ms FROM {{t}}dead_letters WHERE id = ?{lock}",
         text("consumer_group"),
         text("event_id")
     )))
     .bind(id)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((group, event_id, status)) = row else {
+    let Some((group, event_id, status, replay_started_at_ms)) = row else {
         return Ok(ReplayStart::Gone);
     };
+    let now = crate::engine::now_ms();
+    let lease = i64::try_from(REPLAY_LEASE.as_millis()).unwrap_or(i64::MAX);
+    if let (true, Some(since_ms)) = (status == "replaying", replay_started_at_ms)
+        && now.saturating_sub(since_ms) < lease
+    {
+        return Ok(ReplayStart::Busy { since_ms });
+    }
     let count = |condition: &str| {
         render(&format!(
             "SELECT COUNT(*) FROM (SELECT 1 FROM {{t}}processed_events p, {{t}}dead_letters d
@@ -111,19 +128,19 @@ where
         tx.rollback().await?;
         return Ok(ReplayStart::Started);
     }
-    if dead {
-        if let Some(event_id) = event_id {
-            sqlx::query(&render("DELETE FROM {t}processed_events WHERE consumer_group = ? AND event_id = ?"))
-                .bind(group)
-                .bind(event_id)
-                .execute(&mut *tx)
-                .await?;
-        }
-        sqlx::query(&render("UPDATE {t}dead_letters SET status = 'replaying' WHERE id = ?"))
-            .bind(id)
+    if dead && let Some(event_id) = event_id {
+        sqlx::query(&render("DELETE FROM {t}processed_events WHERE consumer_group = ? AND event_id = ?"))
+            .bind(group)
+            .bind(event_id)
             .execute(&mut *tx)
             .await?;
     }
+    // This replay holds the letter from now (a replay cut short, resumed, takes it over).
+    sqlx::query(&render("UPDATE {t}dead_letters SET status = 'replaying', replay_started_at_ms = ? WHERE id = ?"))
+        .bind(now)
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
     tx.commit().await?;
     Ok(ReplayStart::Started)
 }

@@ -39,13 +39,14 @@ use crate::store::{
 
 mod outbox;
 
-static MIGRATIONS: [Migration; 6] = [
+static MIGRATIONS: [Migration; 7] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "outbox", sql: include_str!("sql/0003_outbox.sql") },
     Migration { version: 4, name: "parked_messages", sql: include_str!("sql/0004_parked_messages.sql") },
     Migration { version: 5, name: "audit_log", sql: include_str!("sql/0005_audit_log.sql") },
     Migration { version: 6, name: "dead_letter_archive", sql: include_str!("sql/0006_dead_letter_archive.sql") },
+    Migration { version: 7, name: "replay_lease", sql: include_str!("sql/0007_replay_lease.sql") },
 ];
 
 /// The oldest servers this store is written for and tested against: MySQL 8.0 and MariaDB 10.6 (recursive

@@ -16,7 +16,7 @@ use crate::store::{
     judge_existing, payload_digest,
 };
 
-static MIGRATIONS: [Migration; 8] = [
+static MIGRATIONS: [Migration; 9] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "payload_digest", sql: include_str!("sql/0003_payload_digest.sql") },
@@ -25,6 +25,7 @@ static MIGRATIONS: [Migration; 8] = [
     Migration { version: 6, name: "parked_messages", sql: include_str!("sql/0006_parked_messages.sql") },
     Migration { version: 7, name: "audit_log", sql: include_str!("sql/0007_audit_log.sql") },
     Migration { version: 8, name: "dead_letter_archive", sql: include_str!("sql/0008_dead_letter_archive.sql") },
+    Migration { version: 9, name: "replay_lease", sql: include_str!("sql/0009_replay_lease.sql") },
 ];
 
 /// A stored marker as the reuse check reads it: event id, payload digest, topic, partition, offset.
