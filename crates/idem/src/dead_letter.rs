@@ -110,19 +110,46 @@ pub async fn replay<DB: Backend, P: Publisher>(
     if reused_id(letter) {
         return Ok(Replayed::Refused(ReplayRisk::IdReused));
     }
-    match DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, false).await? {
-        ReplayStart::Started => {}
-        ReplayStart::Gone => return Ok(Replayed::Gone),
-        ReplayStart::Busy { since_ms } => return Ok(Replayed::Busy { since_ms }),
-        ReplayStart::Refused(risk) => return Ok(Replayed::Refused(risk)),
+    let replayed = publish_copy(pool, tables, publisher, letter, None, safety).await?;
+    if replayed == Replayed::Published {
+        tracing::info!(id = letter.id, consumer_group = %letter.consumer_group, event_id = letter.event_id.as_deref().unwrap_or(""), topic = %letter.topic, "dead letter replayed");
+    }
+    Ok(replayed)
+}
+
+/// Steps 1 to 3 of a replay (see the module): the letter held and its marker deleted, its copy (with `payload` in
+/// place of its own, when given) published, the row deleted. Anything but `Published` did nothing.
+async fn publish_copy<DB: Backend, P: Publisher>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    publisher: &P,
+    letter: &DeadLetter,
+    payload: Option<Vec<u8>>,
+    safety: Safety,
+) -> Result<Replayed, Error> {
+    let start = DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, false).await?;
+    if let Some(not_started) = not_started(start) {
+        return Ok(not_started);
     }
     let mut copy = letter.message();
+    if let Some(payload) = payload {
+        copy.payload = payload;
+    }
     copy.headers.retain(|(name, _)| name != REPLAY_FOR_HEADER);
     copy.headers.push((REPLAY_FOR_HEADER.to_owned(), letter.consumer_group.clone().into_bytes()));
     publisher.publish(&copy).await?;
     DB::finish_replay(pool, tables, letter.id).await?;
-    tracing::info!(id = letter.id, consumer_group = %letter.consumer_group, event_id = letter.event_id.as_deref().unwrap_or(""), topic = %letter.topic, "dead letter replayed");
     Ok(Replayed::Published)
+}
+
+/// What a replay's first step that did not start means for the operator; `None` when it started.
+fn not_started(start: ReplayStart) -> Option<Replayed> {
+    match start {
+        ReplayStart::Started => None,
+        ReplayStart::Gone => Some(Replayed::Gone),
+        ReplayStart::Busy { since_ms } => Some(Replayed::Busy { since_ms }),
+        ReplayStart::Refused(risk) => Some(Replayed::Refused(risk)),
+    }
 }
 
 /// Replays `letter` with its payload replaced by `payload` (an operator's edit), after the same checks as
@@ -146,20 +173,11 @@ pub async fn replay_edited<DB: Backend, P: Publisher>(
     if !DB::archive_copy(pool, tables, letter, &original).await? {
         return Ok(Replayed::Gone);
     }
-    match DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, false).await? {
-        ReplayStart::Started => {}
-        ReplayStart::Gone => return Ok(Replayed::Gone),
-        ReplayStart::Busy { since_ms } => return Ok(Replayed::Busy { since_ms }),
-        ReplayStart::Refused(risk) => return Ok(Replayed::Refused(risk)),
+    let replayed = publish_copy(pool, tables, publisher, letter, Some(payload), safety).await?;
+    if replayed == Replayed::Published {
+        tracing::info!(id = letter.id, consumer_group = %letter.consumer_group, actor, "dead letter edited and replayed");
     }
-    let mut copy = letter.message();
-    copy.payload = payload;
-    copy.headers.retain(|(name, _)| name != REPLAY_FOR_HEADER);
-    copy.headers.push((REPLAY_FOR_HEADER.to_owned(), letter.consumer_group.clone().into_bytes()));
-    publisher.publish(&copy).await?;
-    DB::finish_replay(pool, tables, letter.id).await?;
-    tracing::info!(id = letter.id, consumer_group = %letter.consumer_group, actor, "dead letter edited and replayed");
-    Ok(Replayed::Published)
+    Ok(replayed)
 }
 
 /// What [`replay`] would do with `letter` now, without doing it: `Published` says it would be published.
@@ -172,12 +190,8 @@ pub async fn check_replay<DB: Backend>(
     if reused_id(letter) {
         return Ok(Replayed::Refused(ReplayRisk::IdReused));
     }
-    Ok(match DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, true).await? {
-        ReplayStart::Started => Replayed::Published,
-        ReplayStart::Gone => Replayed::Gone,
-        ReplayStart::Busy { since_ms } => Replayed::Busy { since_ms },
-        ReplayStart::Refused(risk) => Replayed::Refused(risk),
-    })
+    let start = DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, true).await?;
+    Ok(not_started(start).unwrap_or(Replayed::Published))
 }
 
 /// What a replay of several letters did (or, checked only, would do), up to the error that stopped it if one did.

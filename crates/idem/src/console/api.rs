@@ -227,9 +227,7 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
     /// A dead letter as the console shows it: its payload only when payloads are shown, its headers readable.
     pub(crate) fn letter_json(&self, letter: &DeadLetter) -> serde_json::Value {
         let mut value = serde_json::to_value(letter).unwrap_or_default();
-        let typing =
-            self.config.message_type.as_deref().and_then(|t| crate::dead_letter::groups::MessageType::parse(t).ok());
-        value["fingerprint"] = crate::dead_letter::groups::fingerprint_of(letter, typing.as_ref()).into();
+        value["fingerprint"] = crate::dead_letter::groups::fingerprint_of(letter, self.typing.as_ref()).into();
         if self.config.show_payloads {
             value["payload_json"] = serde_json::from_slice::<serde_json::Value>(&letter.payload).unwrap_or_default();
         } else {

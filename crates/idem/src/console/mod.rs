@@ -79,6 +79,8 @@ pub struct Console<DB: Backend, P> {
     tables: Tables,
     publisher: Option<P>,
     config: ConsoleConfig,
+    /// `config.message_type`, parsed once.
+    typing: Option<crate::dead_letter::groups::MessageType>,
     sessions: auth::Sessions,
 }
 
@@ -148,11 +150,14 @@ pub fn router<DB: Backend, P: Publisher + 'static>(
                 .into(),
         ));
     }
-    if let Some(typing) = &config.message_type {
-        crate::dead_letter::groups::MessageType::parse(typing)
-            .map_err(|e| Error::Config(format!("message_type: {e}")))?;
-    }
-    let console = Arc::new(Console { pool, tables, publisher, config, sessions: auth::Sessions::default() });
+    let typing = config
+        .message_type
+        .as_deref()
+        .map(crate::dead_letter::groups::MessageType::parse)
+        .transpose()
+        .map_err(|e| Error::Config(format!("message_type: {e}")))?;
+    let sessions = auth::Sessions::default();
+    let console = Arc::new(Console { pool, tables, publisher, config, typing, sessions });
     let router = Router::new()
         .route("/api/v1/openapi.json", get(api::openapi))
         .route("/api/v1/whoami", get(api::whoami::<DB, P>))

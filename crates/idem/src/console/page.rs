@@ -389,8 +389,7 @@ pub async fn dead_letter<DB: Backend, P: Publisher + 'static>(
         }
         Err(e) => return failed(StatusCode::SERVICE_UNAVAILABLE, &format!("the database did not answer: {e}")),
     };
-    let typing = c.config.message_type.as_deref().and_then(|t| crate::dead_letter::groups::MessageType::parse(t).ok());
-    let fingerprint = crate::dead_letter::groups::fingerprint_of(&letter, typing.as_ref());
+    let fingerprint = crate::dead_letter::groups::fingerprint_of(&letter, c.typing.as_ref());
     let mut body = format!(
         r#"<dl><dt>Consumer group</dt><dd>{}</dd><dt>Event id</dt><dd>{}</dd><dt>Position</dt><dd>{}/{}@{}</dd>
 <dt>Failure group</dt><dd><a href="/dead-letters?fingerprint={fingerprint}">{fingerprint}</a></dd>
