@@ -67,6 +67,15 @@ pub enum AuditCommand {
         /// At most this many.
         #[arg(long, default_value_t = 100)]
         limit: i64,
+        /// Only this actor's entries.
+        #[arg(long)]
+        actor: Option<String>,
+        /// Only this action's (`--action "dead-letters replay"`).
+        #[arg(long)]
+        action: Option<String>,
+        /// Only entries older than this id (to page back through the trail).
+        #[arg(long)]
+        before: Option<i64>,
         /// Print one JSON array instead of a table.
         #[arg(long)]
         json: bool,
@@ -75,9 +84,10 @@ pub enum AuditCommand {
 
 /// Runs an `idem audit` command.
 pub async fn run(command: AuditCommand) -> anyhow::Result<ExitCode> {
-    let AuditCommand::List { db, limit, json } = command;
+    let AuditCommand::List { db, limit, actor, action, before, json } = command;
     let (pool, tables) = Db::open_with(&db, "audit_log").await?;
-    let entries = with_pool!(&pool, pool => idem::audit::list(pool, &tables, limit).await?);
+    let query = idem::audit::AuditQuery { actor: actor.as_deref(), action: action.as_deref(), before_id: before };
+    let entries = with_pool!(&pool, pool => idem::audit::query(pool, &tables, &query, limit).await?);
     if json {
         let rows: Vec<serde_json::Value> = entries
             .iter()

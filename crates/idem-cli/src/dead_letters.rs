@@ -214,8 +214,7 @@ async fn list(args: &DbArgs, filter: &Filter, limit: i64, json: bool) -> anyhow:
 
 async fn groups(args: &DbArgs, filter: &Filter, json: bool) -> anyhow::Result<ExitCode> {
     let (db, tables) = Db::open_with(args, "dead_letters").await?;
-    let letters = letters(&db, &tables, filter, i64::MAX).await?;
-    let groups = idem::dead_letter::groups::group(&letters, filter.typing());
+    let groups = with_pool!(&db, pool => filter.groups(pool, &tables).await?);
     if json {
         println!("{}", serde_json::to_string(&groups)?);
     } else if groups.is_empty() {

@@ -288,7 +288,8 @@ pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
             }
             let (pool, tables) = Db::open_with(&db, "outbox").await?;
             let group = relay.map(|r| format!("outbox:{r}"));
-            let letters = with_pool!(&pool, pool => idem::store::Operations::dead_letters(pool, &tables, group.as_deref(), i64::MAX).await?);
+            let letters =
+                with_pool!(&pool, pool => idem::dead_letter::list(pool, &tables, group.as_deref(), i64::MAX).await?);
             let chosen: Vec<i64> = letters
                 .iter()
                 .filter(|l| l.consumer_group.starts_with("outbox:"))

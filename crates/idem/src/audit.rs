@@ -50,9 +50,30 @@ pub async fn record<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables, entry: 
     Ok(DB::append_audit(pool, tables, entry).await?)
 }
 
+/// Which entries to read: every field narrows, `None` does not.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AuditQuery<'a> {
+    /// Only this actor's.
+    pub actor: Option<&'a str>,
+    /// Only this action (`dead-letters replay`).
+    pub action: Option<&'a str>,
+    /// Only entries older than this id: the previous page's last.
+    pub before_id: Option<i64>,
+}
+
 /// The newest `limit` entries, newest first.
 pub async fn list<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables, limit: i64) -> Result<Vec<AuditEntry>, Error> {
-    Ok(DB::audit_entries(pool, tables, limit).await?)
+    query(pool, tables, &AuditQuery::default(), limit).await
+}
+
+/// The newest `limit` entries `query` takes, newest first.
+pub async fn query<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    query: &AuditQuery<'_>,
+    limit: i64,
+) -> Result<Vec<AuditEntry>, Error> {
+    Ok(DB::audit_entries(pool, tables, query, limit).await?)
 }
 
 /// The operating-system user running this process, for an entry's actor when none is given: `$USER`, else

@@ -38,7 +38,8 @@ pub async fn list<DB: Backend>(
     group: Option<&str>,
     limit: i64,
 ) -> Result<Vec<DeadLetter>, Error> {
-    DB::dead_letters(pool, tables, group, limit).await
+    let query = crate::store::letter_pages::LetterQuery { group, ..crate::store::letter_pages::LetterQuery::ALL };
+    DB::letter_page(pool, tables, &query, limit).await
 }
 
 /// Whether a replay goes ahead when the markers of the letter's time have been pruned.

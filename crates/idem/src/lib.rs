@@ -140,5 +140,8 @@ pub use store::{Backend, IntactCommit, Operations, Store, Tables, mysql, postgre
 
 /// Applies the missing migrations of `pool`'s database for `tables`; safe to run twice and from two processes.
 pub async fn migrate<DB: Backend>(pool: &sqlx::Pool<DB>, tables: &Tables) -> Result<store::MigrationReport, Error> {
-    DB::migrate(pool, tables).await
+    let report = DB::migrate(pool, tables).await?;
+    // Dead letters written before their failure group was stored with them get it now.
+    DB::fill_fingerprints(pool, tables).await?;
+    Ok(report)
 }

@@ -203,7 +203,7 @@ async fn the_console_acts_as_the_command_line_does_and_only_for_operators() {
     assert_eq!(dry.status, 200, "{}", dry.body);
     let all_three = ids(&dry.json(), "would_replay");
     assert_eq!(all_three.len(), 3);
-    let audit = api(addr, "GET", "/api/v1/audit", VIEWER, "").await.json();
+    let audit = api(addr, "GET", "/api/v1/audit", VIEWER, "").await.json()["items"].clone();
     assert_eq!(
         audit.as_array().map(Vec::len),
         Some(0),
@@ -225,7 +225,7 @@ async fn the_console_acts_as_the_command_line_does_and_only_for_operators() {
     assert_eq!(run().await.processed, 3);
     let (applied,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM ledger").fetch_one(&pool).await.unwrap();
     assert_eq!(applied, 10, "every payment applied once");
-    let audit = api(addr, "GET", "/api/v1/audit", VIEWER, "").await.json();
+    let audit = api(addr, "GET", "/api/v1/audit", VIEWER, "").await.json()["items"].clone();
     let newest = &audit[0];
     assert_eq!(newest["id"].as_i64(), Some(entry), "the answer names its audit entry: {audit}");
     assert_eq!(
@@ -236,6 +236,21 @@ async fn the_console_acts_as_the_command_line_does_and_only_for_operators() {
     assert!(newest["subjects"].as_str().unwrap().contains(&fingerprint), "{newest}");
     let refused_by_viewer = audit.as_array().unwrap().iter().any(|e| e["actor"] == "bob");
     assert!(!refused_by_viewer, "a viewer's request is refused before it becomes an action: {audit}");
+    // The trail pages back by id and filters by actor and action; a limit out of range is refused, not clamped.
+    let first = api(addr, "GET", "/api/v1/audit?limit=1", VIEWER, "").await.json();
+    let before = first["next_before"].as_i64().expect("an older page");
+    assert_eq!(first["items"][0]["id"].as_i64(), Some(entry), "{first}");
+    let older = api(addr, "GET", &format!("/api/v1/audit?limit=1&before={before}"), VIEWER, "").await.json();
+    assert!(older["items"][0]["id"].as_i64().is_some_and(|id| id < entry), "{older}");
+    let nobody = api(addr, "GET", "/api/v1/audit?actor=nobody", VIEWER, "").await.json();
+    assert_eq!(nobody["items"].as_array().map(Vec::len), Some(0), "{nobody}");
+    let replays = api(addr, "GET", "/api/v1/audit?action=dead-letters%20replay", VIEWER, "").await.json();
+    assert!(replays["items"].as_array().is_some_and(|e| e.iter().all(|e| e["action"] == "dead-letters replay")));
+    for path in ["/api/v1/audit?limit=0", "/api/v1/dead-letters?limit=501", "/api/v1/parked?limit=-1"] {
+        let refused = api(addr, "GET", path, VIEWER, "").await;
+        assert_eq!(refused.status, 400, "{path}: {}", refused.body);
+        assert!(refused.body.contains("limit") && refused.body.contains("out of range"), "{}", refused.body);
+    }
 
     // The page: sign in, no action without the CSRF token or from another site, a confirmation with the count.
     let page = http(addr, "GET", "/", &[], "").await;
@@ -364,7 +379,7 @@ async fn an_edited_letter_is_dry_run_through_the_handler_then_replayed_with_the_
     );
     let again = edit(OPERATOR, body(edited, false)).await;
     assert_eq!(again.status, 404, "replayed already: {}", again.body);
-    let audit = api(addr, "GET", "/api/v1/audit", VIEWER, "").await.json();
+    let audit = api(addr, "GET", "/api/v1/audit", VIEWER, "").await.json()["items"].clone();
     assert_eq!(
         (audit[0]["action"].as_str(), audit[0]["actor"].as_str()),
         (Some("dead-letters edit and replay"), Some("alice")),

@@ -274,7 +274,7 @@ where
     assert!(!bodies.contains(&"never".to_owned()), "a rolled-back enqueue is never delivered");
 
     let letters: Vec<(i64, String, String, i32)> =
-        <DB as idem::store::Operations>::dead_letters(&pool, &Tables::default(), Some("outbox:mailer"), 10)
+        idem::dead_letter::list(&pool, &Tables::default(), Some("outbox:mailer"), 10)
             .await
             .unwrap()
             .into_iter()

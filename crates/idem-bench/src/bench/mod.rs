@@ -26,6 +26,7 @@ use idem_cli::demo::Rng;
 
 mod brokers;
 mod configured;
+mod console;
 mod failing_key;
 mod idem_legs;
 mod kafka;
@@ -104,6 +105,9 @@ pub struct BenchArgs {
     /// Only the legs whose name contains one of these (semicolon-separated), e.g. `pgbench;per-event`.
     #[arg(long)]
     only: Option<String>,
+    /// Dead letters and markers loaded for the console's leg (each), whose list pages are timed.
+    #[arg(long, default_value_t = 1_000_000)]
+    console_rows: i64,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -195,6 +199,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
         args.runs = 1;
         args.kafka_events = args.kafka_events.min(2_000);
         args.broker_events = args.broker_events.min(2_000);
+        args.console_rows = args.console_rows.min(2_000);
     }
     if args.runs == 0 || args.events == 0 || args.accounts <= 0 {
         bail!("--runs, --events and --accounts must be above zero");
@@ -328,13 +333,20 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
     legs.extend(outbox::run(&pool, &args, &work, &wanted, &progress, &mut notes).await?);
     legs.extend(mysql::run(&args, &work, &wanted, &progress, &mut notes).await?);
 
+    let mut pages = Vec::new();
+    let name = format!("console list pages at {} dead letters and {} markers", args.console_rows, args.console_rows);
+    if wanted("console") {
+        progress(&name);
+        pages = console::run(&pool, args.console_rows, args.runs).await?;
+    }
+
     let ratios = ratios(&legs);
     if args.json {
         println!(
             "{}",
             serde_json::json!({
                 "events": args.events, "duplicates": args.duplicates, "accounts": args.accounts, "runs": args.runs,
-                "legs": legs, "ratios": ratios, "notes": notes,
+                "legs": legs, "ratios": ratios, "console_pages": pages, "notes": notes,
             })
         );
     } else {
@@ -356,6 +368,12 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
         println!();
         for (name, value) in &ratios {
             println!("{name:<66} {value:>6.2}");
+        }
+        if !pages.is_empty() {
+            println!("\n{name}\n{:<90} {:>10} {:>10}", "page", "median ms", "max ms");
+            for page in &pages {
+                println!("{:<90} {:>10.1} {:>10.1}", page.page, page.median_ms, page.max_ms);
+            }
         }
         for note in &notes {
             println!("note: {note}");

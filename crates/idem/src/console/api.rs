@@ -31,7 +31,7 @@ pub fn error(status: StatusCode, why: &str) -> Response {
     (status, Json(serde_json::json!({ "error": why }))).into_response()
 }
 
-fn database(error: &crate::Error) -> Response {
+pub(crate) fn database(error: &crate::Error) -> Response {
     error_response(&format!("the database did not answer: {error}; try again"))
 }
 
@@ -40,7 +40,7 @@ fn error_response(why: &str) -> Response {
 }
 
 /// A query string checked: the parameter that does not read is named.
-fn query<T>(query: Result<Query<T>, QueryRejection>) -> Result<T, Refusal> {
+pub(crate) fn query<T>(query: Result<Query<T>, QueryRejection>) -> Result<T, Refusal> {
     query.map(|Query(q)| q).map_err(|e| (StatusCode::BAD_REQUEST, format!("the query: {}", e.body_text())))
 }
 
@@ -268,30 +268,57 @@ pub async fn failure_groups<DB: Backend, P: Publisher + 'static>(
         Ok(filter) => filter,
         Err((status, why)) => return error(status, &why),
     };
-    match filter.letters(&c.pool, &c.tables, i64::MAX).await {
-        Ok(letters) => Json(crate::dead_letter::groups::group(&letters, filter.typing())).into_response(),
+    match filter.groups(&c.pool, &c.tables).await {
+        Ok(groups) => Json(groups).into_response(),
         Err(e) => database(&e),
     }
 }
 
-/// One page of dead letters, oldest first, and where the next starts.
+/// How many a text search counts at most for its list page (past it, the page says "at least").
+pub const TEXT_COUNT_LIMIT: i64 = 10_000;
+
+/// One page of dead letters.
+pub(crate) struct Listed {
+    /// The letters, oldest first.
+    pub letters: Vec<DeadLetter>,
+    /// How many the filters take in all (at least this many when `at_least`).
+    pub total: i64,
+    /// A text search counted [`TEXT_COUNT_LIMIT`] and stopped.
+    pub at_least: bool,
+    /// The id the next page starts after.
+    pub next: Option<i64>,
+}
+
+/// One page of dead letters, oldest first, how many the filters take in all, and where the next page starts.
 pub(crate) async fn page_of<DB: Backend, P: Publisher + 'static>(
     c: &Console<DB, P>,
     page: Page,
-) -> Result<(Vec<DeadLetter>, usize, Option<i64>), Refusal> {
+) -> Result<Listed, Refusal> {
+    let limit = limit_of(page.limit, 50, 500)?;
     let filter = c.filter(page.filter)?;
-    let letters = filter
-        .letters(&c.pool, &c.tables, i64::MAX)
-        .await
-        .map_err(|e| (StatusCode::SERVICE_UNAVAILABLE, format!("the database did not answer: {e}; try again")))?;
-    let total = letters.len();
-    let limit = usize::try_from(page.limit.unwrap_or(50).clamp(1, 500)).unwrap_or(50);
-    let after = page.after.unwrap_or(i64::MIN);
-    let mut rest: Vec<DeadLetter> = letters.into_iter().filter(|l| l.id > after).collect();
-    rest.sort_by_key(|l| l.id);
-    let next = (rest.len() > limit).then(|| rest[limit - 1].id);
-    rest.truncate(limit);
-    Ok((rest, total, next))
+    let unavailable =
+        |e: crate::Error| (StatusCode::SERVICE_UNAVAILABLE, format!("the database did not answer: {e}; try again"));
+    let (letters, next) = filter.page(&c.pool, &c.tables, page.after, limit).await.map_err(unavailable)?;
+    // A first page that is also the last holds them all: no count to make (a rare text searched for would scan
+    // the table a second time).
+    // A text is checked row by row: its matches are counted only so far.
+    let at_most = if filter.spec().matching.is_some() { TEXT_COUNT_LIMIT } else { i64::MAX };
+    let total = match (page.after, next) {
+        (None, None) => letters.len() as i64,
+        _ => filter.count_at_most(&c.pool, &c.tables, at_most).await.map_err(unavailable)?,
+    };
+    Ok(Listed { letters, total, at_least: total >= at_most, next })
+}
+
+/// A page's `limit`: `default` when not given; refused, naming the range, when out of it.
+pub(crate) fn limit_of(limit: Option<i64>, default: i64, most: i64) -> Result<i64, Refusal> {
+    match limit {
+        None => Ok(default),
+        Some(n) if (1..=most).contains(&n) => Ok(n),
+        Some(n) => {
+            Err((StatusCode::BAD_REQUEST, format!("limit: {n} is out of range; give 1 to {most} (default {default})")))
+        }
+    }
 }
 
 /// `GET /api/v1/dead-letters`.
@@ -308,9 +335,11 @@ pub async fn dead_letters<DB: Backend, P: Publisher + 'static>(
         Err((status, why)) => return error(status, &why),
     };
     match page_of(&c, page).await {
-        Ok((letters, total, next)) => {
+        Ok(Listed { letters, total, at_least, next }) => {
             let items: Vec<serde_json::Value> = letters.iter().map(|l| c.letter_json(l)).collect();
-            Json(serde_json::json!({ "items": items, "total": total, "next_after": next })).into_response()
+            let body =
+                serde_json::json!({ "items": items, "total": total, "total_at_least": at_least, "next_after": next });
+            Json(body).into_response()
         }
         Err((status, why)) => error(status, &why),
     }
@@ -340,8 +369,9 @@ pub(crate) async fn find<DB: Backend, P: Publisher + 'static>(
     c: &Console<DB, P>,
     id: i64,
 ) -> Result<Option<DeadLetter>, crate::Error> {
-    let letters = crate::dead_letter::list(&c.pool, &c.tables, None, i64::MAX).await?;
-    Ok(letters.into_iter().find(|l| l.id == id))
+    let query =
+        crate::store::letter_pages::LetterQuery { id: Some(id), ..crate::store::letter_pages::LetterQuery::ALL };
+    Ok(DB::letter_page(&c.pool, &c.tables, &query, 1).await?.pop())
 }
 
 /// `POST /api/v1/dead-letters/replay`.
@@ -388,20 +418,46 @@ async fn act_api<DB: Backend, P: Publisher + 'static>(
     }
 }
 
-/// The query of `parked` and `audit`.
+/// The query of `parked`.
 #[derive(Debug, Default, serde::Deserialize)]
 #[serde(default)]
 pub struct Listing {
-    /// Only this consumer group (parked).
+    /// Only this consumer group.
     pub group: Option<String>,
-    /// At most this many (default 100, at most 1000).
+    /// At most this many (1 to 1000, default 100).
     pub limit: Option<i64>,
 }
 
-impl Listing {
-    fn limit(&self) -> i64 {
-        self.limit.unwrap_or(100).clamp(1, 1_000)
-    }
+/// The query of `audit`: filters, and where the page starts.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default)]
+pub struct AuditPage {
+    /// Only this actor's entries.
+    pub actor: Option<String>,
+    /// Only this action's (`dead-letters replay`).
+    pub action: Option<String>,
+    /// Only entries older than this id (the previous page's `next_before`).
+    pub before: Option<i64>,
+    /// At most this many (1 to 1000, default 100).
+    pub limit: Option<i64>,
+}
+
+/// One page of the audit trail, newest first, and the id the next (older) page starts before.
+pub(crate) async fn audit_page<DB: Backend, P: Publisher + 'static>(
+    c: &Console<DB, P>,
+    page: &AuditPage,
+) -> Result<(Vec<crate::audit::AuditEntry>, Option<i64>), Refusal> {
+    let limit = limit_of(page.limit, 100, 1_000)?;
+    let set = |v: &Option<String>| v.as_deref().map(str::trim).filter(|v| !v.is_empty()).map(str::to_owned);
+    let (actor, action) = (set(&page.actor), set(&page.action));
+    let query = crate::audit::AuditQuery { actor: actor.as_deref(), action: action.as_deref(), before_id: page.before };
+    let mut entries = crate::audit::query(&c.pool, &c.tables, &query, limit + 1)
+        .await
+        .map_err(|e| (StatusCode::SERVICE_UNAVAILABLE, format!("the database did not answer: {e}; try again")))?;
+    let size = usize::try_from(limit).unwrap_or(usize::MAX);
+    let next = (entries.len() > size).then(|| entries[size - 1].id);
+    entries.truncate(size);
+    Ok((entries, next))
 }
 
 /// `GET /api/v1/parked`.
@@ -417,7 +473,11 @@ pub async fn parked<DB: Backend, P: Publisher + 'static>(
         Ok(listing) => listing,
         Err((status, why)) => return error(status, &why),
     };
-    match crate::delayed_retry::list(&c.pool, &c.tables, listing.group.as_deref(), listing.limit()).await {
+    let limit = match limit_of(listing.limit, 100, 1_000) {
+        Ok(limit) => limit,
+        Err((status, why)) => return error(status, &why),
+    };
+    match crate::delayed_retry::list(&c.pool, &c.tables, listing.group.as_deref(), limit).await {
         Ok(parked) => Json(parked).into_response(),
         Err(e) => database(&e),
     }
@@ -427,17 +487,17 @@ pub async fn parked<DB: Backend, P: Publisher + 'static>(
 pub async fn audit<DB: Backend, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
-    listing: Result<Query<Listing>, QueryRejection>,
+    page: Result<Query<AuditPage>, QueryRejection>,
 ) -> Response {
     if let Err((status, why)) = c.api_user(&headers, Role::Viewer) {
         return error(status, &why);
     }
-    let listing = match query(listing) {
-        Ok(listing) => listing,
+    let page = match query(page) {
+        Ok(page) => page,
         Err((status, why)) => return error(status, &why),
     };
-    match crate::audit::list(&c.pool, &c.tables, listing.limit()).await {
-        Ok(entries) => {
+    match audit_page(&c, &page).await {
+        Ok((entries, next)) => {
             let rows: Vec<serde_json::Value> = entries
                 .iter()
                 .map(|e| {
@@ -447,9 +507,9 @@ pub async fn audit<DB: Backend, P: Publisher + 'static>(
                     })
                 })
                 .collect();
-            Json(rows).into_response()
+            Json(serde_json::json!({ "items": rows, "next_before": next })).into_response()
         }
-        Err(e) => database(&e),
+        Err((status, why)) => error(status, &why),
     }
 }
 

@@ -21,6 +21,7 @@
 pub mod api;
 pub mod auth;
 pub mod consumers;
+pub mod markers;
 pub mod openapi;
 pub mod page;
 pub mod trial;
@@ -171,6 +172,7 @@ pub fn router<DB: Backend, P: Publisher + 'static>(
         .route("/api/v1/consumers", get(api::consumers::<DB, P>))
         .route("/api/v1/consumers/{group}/resume", post(api::resume::<DB, P>))
         .route("/api/v1/audit", get(api::audit::<DB, P>))
+        .route("/api/v1/markers", get(markers::api::<DB, P>))
         .route("/", get(page::groups::<DB, P>))
         .route("/dead-letters", get(page::dead_letters::<DB, P>))
         .route("/dead-letters/{id}", get(page::dead_letter::<DB, P>))
@@ -178,6 +180,7 @@ pub fn router<DB: Backend, P: Publisher + 'static>(
         .route("/consumers", get(page::consumers::<DB, P>))
         .route("/consumers/{group}/resume", post(page::resume::<DB, P>))
         .route("/audit", get(page::audit::<DB, P>))
+        .route("/markers", get(markers::page::<DB, P>))
         .route("/actions/{action}", post(page::act::<DB, P>))
         .route("/dead-letters/{id}/edit", post(page::edit::<DB, P>))
         .route("/login", get(page::login_form).post(page::login::<DB, P>))

@@ -156,14 +156,19 @@ fn object(properties: Value, required: &[&str]) -> Value {
 pub fn document() -> Value {
     let mut letter_page = filter_parameters();
     letter_page.push(query("after", "Only letters with a larger id: the previous page's next_after.", integer()));
-    letter_page.push(query("limit", "At most this many (1 to 500, default 50).", integer()));
+    letter_page.push(query("limit", "At most this many (1 to 500, default 50; out of range is refused).", integer()));
     let listing = |group: bool| {
-        let mut parameters = vec![query("limit", "At most this many (1 to 1000, default 100).", integer())];
+        let mut parameters =
+            vec![query("limit", "At most this many (1 to 1000, default 100; out of range is refused).", integer())];
         if group {
             parameters.push(query("group", "Only this consumer group.", string()));
         }
         parameters
     };
+    let mut audit_page = listing(false);
+    audit_page.push(query("actor", "Only this actor's entries.", string()));
+    audit_page.push(query("action", "Only this action's (dead-letters replay).", string()));
+    audit_page.push(query("before", "Only entries older than this id: the previous page's next_before.", integer()));
     let id = json!({ "name": "id", "in": "path", "required": true, "schema": integer() });
     json!({
         "openapi": "3.0.3",
@@ -209,10 +214,16 @@ pub fn document() -> Value {
                 &[],
             ) },
             "/api/v1/consumers/{group}/resume": { "post": resume() },
+            "/api/v1/markers": { "get": operation(
+                "Each consumer group's markers and dead letters, and a prune dry run.",
+                vec![query("retention", "The prune dry run's retention (7d, 36h; default 7d).", string())],
+                answer("The figures.", reference("Markers")),
+                &[],
+            ) },
             "/api/v1/audit": { "get": operation(
-                "The audit trail, newest first.",
-                listing(false),
-                answer("The entries.", json!({ "type": "array", "items": reference("AuditEntry") })),
+                "The audit trail, newest first, a page at a time.",
+                audit_page,
+                answer("A page.", reference("AuditPage")),
                 &[],
             ) },
         },
@@ -238,9 +249,10 @@ pub fn document() -> Value {
                 }), &["id", "consumer_group", "topic", "partition", "offset", "error", "attempts", "status", "fingerprint", "headers"]),
                 "LetterPage": object(json!({
                     "items": { "type": "array", "items": reference("DeadLetter") },
-                    "total": { "type": "integer" },
+                    "total": { "type": "integer", "description": "How many the filters take (at least this many when total_at_least)." },
+                    "total_at_least": { "type": "boolean", "description": "A reason text is counted only up to 10,000 matches." },
                     "next_after": { "type": "integer", "format": "int64", "nullable": true },
-                }), &["items", "total", "next_after"]),
+                }), &["items", "total", "total_at_least", "next_after"]),
                 "ActionRequest": { "type": "object", "properties": action_properties(), "additionalProperties": false },
                 "DiscardRequest": {
                     "type": "object",
@@ -287,6 +299,17 @@ pub fn document() -> Value {
                     "id": integer(), "at": string(), "actor": string(), "action": string(), "subjects": string(),
                     "count": integer(), "outcome": string(),
                 }), &["id", "at", "actor", "action", "subjects", "count", "outcome"]),
+                "Markers": object(json!({
+                    "groups": { "type": "array", "items": object(json!({
+                        "consumer_group": string(), "markers": integer(), "dead_letters": integer(),
+                        "oldest_marker_age_seconds": { "type": "number", "nullable": true },
+                    }), &["consumer_group", "markers", "dead_letters", "oldest_marker_age_seconds"]) },
+                    "prune": object(json!({ "retention": string(), "would_delete": integer(), "command": string() }), &["retention", "would_delete", "command"]),
+                }), &["groups", "prune"]),
+                "AuditPage": object(json!({
+                    "items": { "type": "array", "items": reference("AuditEntry") },
+                    "next_before": { "type": "integer", "format": "int64", "nullable": true },
+                }), &["items", "next_before"]),
             },
         },
     })

@@ -37,7 +37,7 @@ pub fn esc(text: &str) -> String {
 }
 
 /// A query-string value.
-fn q(text: &str) -> String {
+pub(crate) fn q(text: &str) -> String {
     let mut out = String::new();
     for b in text.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
@@ -71,14 +71,14 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
     }
 
     /// The page around `body`: the navigation, who is signed in, and the sign-out form.
-    fn layout(&self, title: &str, session: &Session, body: &str) -> Response {
+    pub(crate) fn layout(&self, title: &str, session: &Session, body: &str) -> Response {
         let user = &session.user;
         let html = format!(
             r#"<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{title} · idem console</title>
 <link rel="stylesheet" href="/static/console.css"></head>
 <body><header><strong>idem</strong>
-<nav><a href="/">Failure groups</a> <a href="/dead-letters">Dead letters</a> <a href="/parked">Parked</a> <a href="/consumers">Consumers</a> <a href="/audit">Audit trail</a></nav>
+<nav><a href="/">Failure groups</a> <a href="/dead-letters">Dead letters</a> <a href="/parked">Parked</a> <a href="/outbox">Outbox</a> <a href="/inbox">Inbox</a> <a href="/markers">Markers</a> <a href="/consumers">Consumers</a> <a href="/audit">Audit trail</a></nav>
 <form method="post" action="/logout" class="who"><span id="user">{name} ({role})</span>
 <input type="hidden" name="csrf" value="{csrf}"><button>Sign out</button></form></header>
 <main><h1>{title}</h1>
@@ -93,21 +93,24 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
 }
 
 /// The session of a page's request; without one, the page sends the browser to sign in ([`to_sign_in`]).
-fn signed_in<DB: Backend, P: Publisher + 'static>(c: &Console<DB, P>, headers: &HeaderMap) -> Option<Session> {
+pub(crate) fn signed_in<DB: Backend, P: Publisher + 'static>(
+    c: &Console<DB, P>,
+    headers: &HeaderMap,
+) -> Option<Session> {
     c.session(headers).map(|(_, s)| s)
 }
 
-fn to_sign_in() -> Response {
+pub(crate) fn to_sign_in() -> Response {
     Redirect::to("/login").into_response()
 }
 
-fn failed(status: StatusCode, why: &str) -> Response {
+pub(crate) fn failed(status: StatusCode, why: &str) -> Response {
     refuse(status, why)
 }
 
 /// The session of an operator's form: from this console's own pages (same origin), signed in, with the session's
 /// CSRF token, by an operator; else the status and why.
-fn operator_form<DB: Backend, P: Publisher + 'static>(
+pub(crate) fn operator_form<DB: Backend, P: Publisher + 'static>(
     c: &Console<DB, P>,
     headers: &HeaderMap,
     form: &[(String, String)],
@@ -202,7 +205,7 @@ fn same_origin(headers: &HeaderMap) -> Result<(), String> {
     }
 }
 
-fn field<'a>(form: &'a [(String, String)], name: &str) -> Option<&'a str> {
+pub(crate) fn field<'a>(form: &'a [(String, String)], name: &str) -> Option<&'a str> {
     form.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
 }
 
@@ -269,14 +272,21 @@ pub async fn groups<DB: Backend, P: Publisher + 'static>(
         Ok(filter) => filter,
         Err((status, why)) => return failed(status, &why),
     };
-    let letters = match filter.letters(&c.pool, &c.tables, i64::MAX).await {
-        Ok(letters) => letters,
+    let groups = match filter.groups(&c.pool, &c.tables).await {
+        Ok(groups) => groups,
         Err(e) => return failed(StatusCode::SERVICE_UNAVAILABLE, &format!("the database did not answer: {e}")),
     };
-    let groups = crate::dead_letter::groups::group(&letters, filter.typing());
     let mut body = filter_form("/", &spec);
     let total: usize = groups.iter().map(|g| g.count).sum();
-    let _ = write!(body, r#"<p class="count">{} failure group(s), {total} dead letter(s)</p>"#, groups.len());
+    let _ = if groups.len() as i64 >= crate::dead_letter::selection::MAX_GROUPS {
+        write!(
+            body,
+            r#"<p class="count">the {} largest failure groups, {total} dead letter(s) in them</p>"#,
+            groups.len()
+        )
+    } else {
+        write!(body, r#"<p class="count">{} failure group(s), {total} dead letter(s)</p>"#, groups.len())
+    };
     if !groups.is_empty() {
         body.push_str(
             "<table id=\"groups\"><tr><th>Failure group</th><th>Consumer group</th><th>Type</th><th>Count</th>\
@@ -326,7 +336,7 @@ fn letters_table(letters: &[DeadLetter]) -> String {
 }
 
 /// The operator's forms for every letter a selection takes: replay, discard with a reason.
-fn action_forms(session: &Session, hidden: &str, count: usize) -> String {
+fn action_forms(session: &Session, hidden: &str, count: &str) -> String {
     if session.user.role < Role::Operator {
         return r#"<p class="note">You are a viewer: an operator replays and discards.</p>"#.to_owned();
     }
@@ -349,16 +359,18 @@ pub async fn dead_letters<DB: Backend, P: Publisher + 'static>(
         return to_sign_in();
     };
     let (spec, limit) = (page.filter.clone(), page.limit);
-    let (letters, total, next) = match super::api::page_of(&c, page).await {
+    let super::api::Listed { letters, total, at_least, next } = match super::api::page_of(&c, page).await {
         Ok(page) => page,
         Err((status, why)) => return failed(status, &why),
     };
     let mut body = filter_form("/dead-letters", &spec);
-    let _ = write!(body, r#"<p class="count"><span id="total">{total}</span> dead letter(s)</p>"#);
+    let more = if at_least { " or more" } else { "" };
+    let _ = write!(body, r#"<p class="count"><span id="total">{total}</span>{more} dead letter(s)</p>"#);
     if total > 0 {
         let narrowed = spec.matching.is_some() || spec.fingerprint.is_some() || spec.older_than.is_some();
         let all = if narrowed { "" } else { r#"<input type="hidden" name="all" value="true">"# };
-        body.push_str(&action_forms(&session, &format!("{}{all}", filter_fields(&spec)), total));
+        let count = if at_least { format!("{total}+") } else { total.to_string() };
+        body.push_str(&action_forms(&session, &format!("{}{all}", filter_fields(&spec)), &count));
         body.push_str(&letters_table(&letters));
     }
     if let Some(after) = next {
@@ -422,7 +434,7 @@ pub async fn dead_letter<DB: Backend, P: Publisher + 'static>(
         );
     }
     let hidden = format!(r#"<input type="hidden" name="ids" value="{id}">"#);
-    body.push_str(&action_forms(&session, &hidden, 1));
+    body.push_str(&action_forms(&session, &hidden, "1"));
     if c.config.show_payloads && session.user.role >= Role::Operator {
         let pretty = serde_json::from_slice::<serde_json::Value>(&letter.payload)
             .ok()
@@ -604,7 +616,10 @@ pub async fn parked<DB: Backend, P: Publisher + 'static>(
     let Some(session) = signed_in(&c, &headers) else {
         return to_sign_in();
     };
-    let limit = listing.limit.unwrap_or(100).clamp(1, 1_000);
+    let limit = match super::api::limit_of(listing.limit, 100, 1_000) {
+        Ok(limit) => limit,
+        Err((status, why)) => return failed(status, &why),
+    };
     let parked = match crate::delayed_retry::list(&c.pool, &c.tables, listing.group.as_deref(), limit).await {
         Ok(parked) => parked,
         Err(e) => return failed(StatusCode::SERVICE_UNAVAILABLE, &format!("the database did not answer: {e}")),
@@ -630,31 +645,30 @@ pub async fn parked<DB: Backend, P: Publisher + 'static>(
     c.layout("Parked messages", &session, &body)
 }
 
-/// The audit page's query.
-#[derive(Debug, Default, serde::Deserialize)]
-#[serde(default)]
-pub struct AuditQuery {
-    /// Only this actor's entries.
-    pub actor: Option<String>,
-}
-
-/// `GET /audit`.
+/// `GET /audit`: the audit trail, newest first, a page at a time, by actor and action.
 pub async fn audit<DB: Backend, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
-    Query(query): Query<AuditQuery>,
+    Query(page): Query<super::api::AuditPage>,
 ) -> Response {
     let Some(session) = signed_in(&c, &headers) else {
         return to_sign_in();
     };
-    let entries = match crate::audit::list(&c.pool, &c.tables, 200).await {
-        Ok(entries) => entries,
-        Err(e) => return failed(StatusCode::SERVICE_UNAVAILABLE, &format!("the database did not answer: {e}")),
+    let (entries, next) = match super::api::audit_page(&c, &page).await {
+        Ok(found) => found,
+        Err((status, why)) => return failed(status, &why),
     };
-    let mut body = String::from(
-        "<table id=\"audit\"><tr><th>Id</th><th>At</th><th>Who</th><th>Action</th><th>Count</th><th>Outcome</th><th>Subjects</th></tr>",
+    let value = |v: &Option<String>| esc(v.as_deref().unwrap_or_default());
+    let mut body = format!(
+        r#"<form method="get" action="/audit" class="filters">
+<label>Who <input name="actor" value="{}"></label>
+<label>Action <input name="action" value="{}" placeholder="dead-letters replay"></label>
+<button>Filter</button></form>
+<table id="audit"><tr><th>Id</th><th>At</th><th>Who</th><th>Action</th><th>Count</th><th>Outcome</th><th>Subjects</th></tr>"#,
+        value(&page.actor),
+        value(&page.action),
     );
-    for e in entries.iter().filter(|e| query.actor.as_deref().is_none_or(|a| a == e.actor)) {
+    for e in &entries {
         let _ = write!(
             body,
             r#"<tr id="audit-{}"><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>"#,
@@ -669,6 +683,18 @@ pub async fn audit<DB: Backend, P: Publisher + 'static>(
         );
     }
     body.push_str("</table>");
+    if let Some(before) = next {
+        let mut query = format!("before={before}");
+        for (name, v) in [("actor", &page.actor), ("action", &page.action)] {
+            if let Some(v) = v.as_deref().filter(|v| !v.trim().is_empty()) {
+                let _ = write!(query, "&{name}={}", q(v));
+            }
+        }
+        if let Some(limit) = page.limit {
+            let _ = write!(query, "&limit={limit}");
+        }
+        let _ = write!(body, r#"<p><a id="older" href="/audit?{}">Older entries</a></p>"#, esc(&query));
+    }
     c.layout("Audit trail", &session, &body)
 }
 

@@ -128,6 +128,9 @@ pub fn fingerprint_of(letter: &DeadLetter, typing: Option<&MessageType>) -> Stri
     fingerprint(&letter.consumer_group, message_type.as_deref(), &letter.error)
 }
 
+/// How many of a group's ids [`FailureGroup::ids`] shows.
+pub const SAMPLE_IDS: usize = 20;
+
 /// Dead letters that failed the same way.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct FailureGroup {
@@ -147,41 +150,77 @@ pub struct FailureGroup {
     /// When the last of them failed last.
     #[serde(rename = "last_failed_at", serialize_with = "crate::store::rfc3339")]
     pub last_failed_at_ms: i64,
-    /// The reason of the most recent one, as it was.
+    /// The reason of the newest one, as it was.
     pub sample: String,
-    /// The dead-letter ids, oldest first.
+    /// The oldest ids, at most [`SAMPLE_IDS`] of them (`count` says how many there are).
     pub ids: Vec<i64>,
+}
+
+/// Failure groups counted one letter at a time: where each letter's type must be read from its message, which
+/// the database cannot do.
+#[derive(Debug, Default)]
+pub struct Grouping<'t> {
+    typing: Option<&'t MessageType>,
+    groups: BTreeMap<String, (FailureGroup, i64)>,
+}
+
+impl<'t> Grouping<'t> {
+    /// No letter yet; each letter's type read as `typing` says.
+    pub fn new(typing: Option<&'t MessageType>) -> Self {
+        Grouping { typing, groups: BTreeMap::new() }
+    }
+
+    /// Counts `letter` in its group (letters come by id, oldest first).
+    pub fn add(&mut self, letter: &DeadLetter) {
+        let message_type = self.typing.and_then(|t| t.of(&letter.headers, &letter.payload));
+        let id = fingerprint(&letter.consumer_group, message_type.as_deref(), &letter.error);
+        let (group, newest) = self.groups.entry(id.clone()).or_insert_with(|| {
+            let group = FailureGroup {
+                fingerprint: id,
+                consumer_group: letter.consumer_group.clone(),
+                message_type,
+                pattern: strip_reason(&letter.error),
+                count: 0,
+                first_failed_at_ms: letter.first_failed_at_ms,
+                last_failed_at_ms: letter.last_failed_at_ms,
+                sample: letter.error.clone(),
+                ids: Vec::new(),
+            };
+            (group, letter.id)
+        });
+        group.count += 1;
+        if group.ids.len() < SAMPLE_IDS {
+            group.ids.push(letter.id);
+        }
+        group.first_failed_at_ms = group.first_failed_at_ms.min(letter.first_failed_at_ms);
+        group.last_failed_at_ms = group.last_failed_at_ms.max(letter.last_failed_at_ms);
+        if letter.id >= *newest {
+            *newest = letter.id;
+            group.sample = letter.error.clone();
+        }
+    }
+
+    /// The groups, the largest first (then the most recent).
+    pub fn finish(self) -> Vec<FailureGroup> {
+        let mut groups: Vec<FailureGroup> = self.groups.into_values().map(|(g, _)| g).collect();
+        sort(&mut groups);
+        groups
+    }
+}
+
+/// The largest group first, then the most recent.
+pub(crate) fn sort(groups: &mut [FailureGroup]) {
+    groups.sort_by(|a, b| b.count.cmp(&a.count).then(b.last_failed_at_ms.cmp(&a.last_failed_at_ms)));
 }
 
 /// Groups `letters` by fingerprint (each one's type read as `typing` says), the largest group first (then the
 /// most recent).
 pub fn group(letters: &[DeadLetter], typing: Option<&MessageType>) -> Vec<FailureGroup> {
-    let mut groups: BTreeMap<String, FailureGroup> = BTreeMap::new();
+    let mut grouping = Grouping::new(typing);
     for letter in letters {
-        let message_type = typing.and_then(|t| t.of(&letter.headers, &letter.payload));
-        let id = fingerprint(&letter.consumer_group, message_type.as_deref(), &letter.error);
-        let group = groups.entry(id.clone()).or_insert_with(|| FailureGroup {
-            fingerprint: id,
-            consumer_group: letter.consumer_group.clone(),
-            message_type,
-            pattern: strip_reason(&letter.error),
-            count: 0,
-            first_failed_at_ms: letter.first_failed_at_ms,
-            last_failed_at_ms: letter.last_failed_at_ms,
-            sample: letter.error.clone(),
-            ids: Vec::new(),
-        });
-        group.count += 1;
-        group.ids.push(letter.id);
-        group.first_failed_at_ms = group.first_failed_at_ms.min(letter.first_failed_at_ms);
-        if letter.last_failed_at_ms >= group.last_failed_at_ms {
-            group.last_failed_at_ms = letter.last_failed_at_ms;
-            group.sample = letter.error.clone();
-        }
+        grouping.add(letter);
     }
-    let mut groups: Vec<FailureGroup> = groups.into_values().collect();
-    groups.sort_by(|a, b| b.count.cmp(&a.count).then(b.last_failed_at_ms.cmp(&a.last_failed_at_ms)));
-    groups
+    grouping.finish()
 }
 
 #[cfg(test)]

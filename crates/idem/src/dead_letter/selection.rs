@@ -2,9 +2,16 @@
 //! the reason, failure group, age). One selection for the command line and the console, so that the two never
 //! disagree; a selection that takes nothing says why.
 
-use super::groups::{MessageType, fingerprint_of};
+use super::groups::{FailureGroup, Grouping, MessageType, SAMPLE_IDS, fingerprint_of, strip_reason};
 use crate::error::Error;
+use crate::store::letter_pages::LetterQuery;
 use crate::store::{Backend, DeadLetter, Tables};
+
+/// How many letters a scan reads at a time (where the database cannot apply the filter: see [`Filter::page`]).
+const SCAN_BATCH: i64 = 1_000;
+
+/// How many failure groups [`Filter::groups`] lists at most.
+pub const MAX_GROUPS: i64 = 500;
 
 /// The filters as the operator wrote them (flags or query parameters); [`Filter::parse`] checks them.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize)]
@@ -119,6 +126,70 @@ impl Filter {
         self.spec.matching.is_some() || self.fingerprint.is_some() || self.spec.older_than.is_some()
     }
 
+    /// What the database applies of the filter: all of it, but for a fingerprint taken with a message type (the
+    /// stored fingerprint has none), which is checked here.
+    fn query(&self) -> LetterQuery<'_> {
+        LetterQuery {
+            group: self.spec.group.as_deref(),
+            id: None,
+            fingerprint: self.fingerprint.as_deref().filter(|_| self.typing.is_none()),
+            matching: self.spec.matching.as_deref(),
+            failed_before_ms: self.failed_before_ms,
+            after_id: None,
+        }
+    }
+
+    /// Whether letters must be read and checked here: a fingerprint with a message type.
+    fn scans(&self) -> bool {
+        self.typing.is_some() && self.fingerprint.is_some()
+    }
+
+    /// Fingerprints the rows written without one, before a statement that reads them.
+    async fn ready<DB: Backend>(&self, pool: &sqlx::Pool<DB>, tables: &Tables) -> Result<(), Error> {
+        if self.fingerprint.is_some() {
+            DB::fill_fingerprints(pool, tables).await?;
+        }
+        Ok(())
+    }
+
+    /// One page of the letters taken, by id: those after `after`, at most `limit`, and the id the next page
+    /// starts after (none on the last page). The database applies the filters and the page (keyset pagination
+    /// on the id); a fingerprint with a message type reads the other filters' letters in batches instead.
+    pub async fn page<DB: Backend>(
+        &self,
+        pool: &sqlx::Pool<DB>,
+        tables: &Tables,
+        after: Option<i64>,
+        limit: i64,
+    ) -> Result<(Vec<DeadLetter>, Option<i64>), Error> {
+        self.ready(pool, tables).await?;
+        let limit = limit.max(1);
+        let query = LetterQuery { after_id: after, ..self.query() };
+        if !self.scans() {
+            let mut letters = DB::letter_page(pool, tables, &query, limit.saturating_add(1)).await?;
+            let size = usize::try_from(limit).unwrap_or(usize::MAX);
+            let next = (letters.len() > size).then(|| letters[size - 1].id);
+            letters.truncate(size);
+            return Ok((letters, next));
+        }
+        let size = usize::try_from(limit).unwrap_or(usize::MAX);
+        let mut found: Vec<DeadLetter> = Vec::new();
+        let mut next = None;
+        scan(pool, tables, query, |letter| {
+            if !self.takes(&letter) {
+                return true;
+            }
+            if found.len() == size {
+                next = found.last().map(|l| l.id);
+                return false;
+            }
+            found.push(letter);
+            true
+        })
+        .await?;
+        Ok((found, next))
+    }
+
     /// The dead letters taken, oldest first, at most `limit`.
     pub async fn letters<DB: Backend>(
         &self,
@@ -126,10 +197,105 @@ impl Filter {
         tables: &Tables,
         limit: i64,
     ) -> Result<Vec<DeadLetter>, Error> {
-        let fetch = if self.narrows() { i64::MAX } else { limit };
-        let letters = super::list(pool, tables, self.spec.group.as_deref(), fetch).await?;
-        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-        Ok(letters.into_iter().filter(|l| self.takes(l)).take(limit).collect())
+        Ok(self.page(pool, tables, None, limit).await?.0)
+    }
+
+    /// How many dead letters the filters take.
+    pub async fn count<DB: Backend>(&self, pool: &sqlx::Pool<DB>, tables: &Tables) -> Result<i64, Error> {
+        self.count_at_most(pool, tables, i64::MAX).await
+    }
+
+    /// How many dead letters the filters take, counting no further than `at_most` (a text searched for is
+    /// checked row by row: a list page counts its matches only so far).
+    pub async fn count_at_most<DB: Backend>(
+        &self,
+        pool: &sqlx::Pool<DB>,
+        tables: &Tables,
+        at_most: i64,
+    ) -> Result<i64, Error> {
+        self.ready(pool, tables).await?;
+        if !self.scans() {
+            let cap = (at_most < i64::MAX).then_some(at_most);
+            return DB::count_letters(pool, tables, &self.query(), cap).await;
+        }
+        let mut count = 0;
+        scan(pool, tables, self.query(), |letter| {
+            count += i64::from(self.takes(&letter));
+            count < at_most
+        })
+        .await?;
+        Ok(count)
+    }
+
+    /// The failure groups of the letters taken, the largest first, at most [`MAX_GROUPS`]. The database counts
+    /// them by their stored fingerprint; with a message type, each letter's type is read from its message, so the
+    /// letters are read in batches and counted here.
+    pub async fn groups<DB: Backend>(
+        &self,
+        pool: &sqlx::Pool<DB>,
+        tables: &Tables,
+    ) -> Result<Vec<FailureGroup>, Error> {
+        DB::fill_fingerprints(pool, tables).await?;
+        if let Some(typing) = self.typing.as_ref() {
+            let mut grouping = Grouping::new(Some(typing));
+            scan(pool, tables, self.query(), |letter| {
+                if self.takes(&letter) {
+                    grouping.add(&letter);
+                }
+                true
+            })
+            .await?;
+            let mut groups = grouping.finish();
+            groups.truncate(usize::try_from(MAX_GROUPS).unwrap_or(usize::MAX));
+            return Ok(groups);
+        }
+        let query = self.query();
+        let figures = DB::group_figures(pool, tables, &query, MAX_GROUPS).await?;
+        let newest: Vec<i64> = figures.iter().map(|f| f.newest_id).collect();
+        let reasons: std::collections::HashMap<i64, String> =
+            DB::reasons(pool, tables, &newest).await?.into_iter().collect();
+        // A group's oldest ids: one indexed read per group, several at once.
+        let ids = futures_util::future::try_join_all(figures.iter().map(|f| {
+            let of_group = LetterQuery { fingerprint: Some(&f.fingerprint), ..query };
+            async move { DB::letter_ids(pool, tables, &of_group, SAMPLE_IDS as i64).await }
+        }))
+        .await?;
+        let mut groups: Vec<FailureGroup> = figures
+            .into_iter()
+            .zip(ids)
+            .map(|(figures, ids)| {
+                let sample = reasons.get(&figures.newest_id).cloned().unwrap_or_default();
+                FailureGroup {
+                    fingerprint: figures.fingerprint,
+                    consumer_group: figures.consumer_group,
+                    message_type: None,
+                    pattern: strip_reason(&sample),
+                    count: usize::try_from(figures.count).unwrap_or(0),
+                    first_failed_at_ms: figures.first_failed_at_ms,
+                    last_failed_at_ms: figures.last_failed_at_ms,
+                    sample,
+                    ids,
+                }
+            })
+            .collect();
+        super::groups::sort(&mut groups);
+        Ok(groups)
+    }
+
+    /// This filter with only some of its fields (`keep` says which): to tell why a selection took nothing.
+    fn only(&self, keep: impl Fn(&FilterSpec) -> FilterSpec) -> Filter {
+        let mut narrower = self.clone();
+        narrower.spec = keep(&self.spec);
+        if narrower.spec.older_than.is_none() {
+            narrower.failed_before_ms = None;
+        }
+        if narrower.spec.fingerprint.is_none() {
+            narrower.fingerprint = None;
+        }
+        if narrower.spec.message_type.is_none() {
+            narrower.typing = None;
+        }
+        narrower
     }
 
     /// The filters in words, as the audit trail records them (`all` without any).
@@ -189,26 +355,29 @@ impl Chosen<'_> {
             )));
         }
         let group = self.filter.spec.group.as_deref();
-        let of_group = super::list(pool, tables, group, i64::MAX).await?;
-        let every = self.ids.is_empty();
-        let letters: Vec<DeadLetter> =
-            of_group.iter().filter(|l| self.filter.takes(l) && (every || self.ids.contains(&l.id))).cloned().collect();
-        for id in self.ids {
-            if !letters.iter().any(|l| l.id == *id) {
-                return Ok(Taken::Refused(self.why_not_taken(pool, tables, &of_group, *id).await));
+        let mut letters = Vec::new();
+        for &id in self.ids {
+            let query = LetterQuery { id: Some(id), ..self.filter.query() };
+            match DB::letter_page(pool, tables, &query, 1).await?.pop().filter(|l| self.filter.takes(l)) {
+                Some(letter) => letters.push(letter),
+                None => return Ok(Taken::Refused(self.why_not_taken(pool, tables, id).await)),
             }
         }
+        if self.ids.is_empty() {
+            letters = self.filter.letters(pool, tables, i64::MAX).await?;
+        }
         if letters.is_empty() {
+            let of_group = self.filter.only(|s| FilterSpec { group: s.group.clone(), ..FilterSpec::default() });
+            let among = of_group.count(pool, tables).await?;
             let why = match &self.filter.fingerprint {
-                Some(fingerprint) => self.why_no_group(pool, tables, &of_group, fingerprint).await?,
-                None if of_group.is_empty() => format!(
+                Some(fingerprint) => self.why_no_group(pool, tables, among, fingerprint).await?,
+                None if among == 0 => format!(
                     "there is no dead letter{}: nothing to {verb}",
                     group.map(|g| format!(" of group {g}")).unwrap_or_default()
                 ),
                 None => format!(
-                    "no dead letter passes the filters ({}), among {} of {}: nothing to {verb}",
+                    "no dead letter passes the filters ({}), among {among} of {}: nothing to {verb}",
                     self.filter.describe(),
-                    of_group.len(),
                     group.map(|g| format!("group {g}")).unwrap_or_else(|| "every group".to_owned())
                 ),
             };
@@ -219,15 +388,10 @@ impl Chosen<'_> {
 
     /// Why dead letter `id` is not among those taken: the filters leave it out, it was discarded (by whom, when,
     /// why), or there is no such letter.
-    async fn why_not_taken<DB: Backend>(
-        &self,
-        pool: &sqlx::Pool<DB>,
-        tables: &Tables,
-        of_group: &[DeadLetter],
-        id: i64,
-    ) -> String {
+    async fn why_not_taken<DB: Backend>(&self, pool: &sqlx::Pool<DB>, tables: &Tables, id: i64) -> String {
         let group = self.filter.spec.group.as_deref();
-        if of_group.iter().any(|l| l.id == id) {
+        let in_group = LetterQuery { group, id: Some(id), ..LetterQuery::ALL };
+        if DB::count_letters(pool, tables, &in_group, None).await.is_ok_and(|n| n > 0) {
             return format!(
                 "dead letter {id} is not among those the filters take ({}); drop the filters to name it by id",
                 self.filter.describe()
@@ -254,12 +418,21 @@ impl Chosen<'_> {
         &self,
         pool: &sqlx::Pool<DB>,
         tables: &Tables,
-        of_group: &[DeadLetter],
+        among: i64,
         fingerprint: &str,
     ) -> Result<String, Error> {
         let typing = self.filter.typing.as_ref();
         let group = self.filter.spec.group.as_deref();
-        let ours = of_group.iter().filter(|l| fingerprint_of(l, typing) == fingerprint).count();
+        let ours = self
+            .filter
+            .only(|s| FilterSpec {
+                group: s.group.clone(),
+                fingerprint: s.fingerprint.clone(),
+                message_type: s.message_type.clone(),
+                ..FilterSpec::default()
+            })
+            .count(pool, tables)
+            .await?;
         if ours > 0 {
             return Ok(format!(
                 "failure group {fingerprint} has {ours} dead letter(s), but the other filters ({}) take none of them",
@@ -267,14 +440,18 @@ impl Chosen<'_> {
             ));
         }
         if let Some(group) = group {
-            let everyone = super::list(pool, tables, None, i64::MAX).await?;
-            if let Some(other) = everyone.iter().find(|l| fingerprint_of(l, typing) == fingerprint) {
+            let anywhere = self.filter.only(|s| FilterSpec {
+                fingerprint: s.fingerprint.clone(),
+                message_type: s.message_type.clone(),
+                ..FilterSpec::default()
+            });
+            if let Some(other) = anywhere.letters(pool, tables, 1).await?.first() {
                 return Ok(format!(
                     "failure group {fingerprint} is consumer group {}'s, not {group}'s: drop --group or name {}",
                     other.consumer_group, other.consumer_group
                 ));
             }
-            if of_group.is_empty() {
+            if among == 0 {
                 return Ok(format!("consumer group {group} has no dead letter: check --group"));
             }
         }
@@ -314,6 +491,29 @@ impl Chosen<'_> {
         }
         let filters = self.filter.describe();
         if taken.is_empty() { filters } else { format!("{filters}: ids {}", join(taken)) }
+    }
+}
+
+/// Reads the letters `query` takes in batches, by id, handing each to `each` until it returns false.
+async fn scan<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    query: LetterQuery<'_>,
+    mut each: impl FnMut(DeadLetter) -> bool,
+) -> Result<(), Error> {
+    let mut after = query.after_id;
+    loop {
+        let batch = DB::letter_page(pool, tables, &LetterQuery { after_id: after, ..query }, SCAN_BATCH).await?;
+        let last_batch = (batch.len() as i64) < SCAN_BATCH;
+        after = batch.last().map(|l| l.id);
+        for letter in batch {
+            if !each(letter) {
+                return Ok(());
+            }
+        }
+        if last_batch {
+            return Ok(());
+        }
     }
 }
 

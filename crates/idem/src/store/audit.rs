@@ -2,7 +2,7 @@
 
 use std::future::Future;
 
-use crate::audit::AuditEntry;
+use crate::audit::{AuditEntry, AuditQuery};
 use crate::store::parking::Style;
 use crate::store::{Store, Tables};
 
@@ -14,10 +14,11 @@ pub trait AuditTrail: Store {
         tables: &Tables,
         entry: &AuditEntry,
     ) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
-    /// The newest `limit` entries, newest first.
+    /// The newest `limit` entries `query` takes, newest first.
     fn audit_entries(
         pool: &sqlx::Pool<Self>,
         tables: &Tables,
+        query: &AuditQuery<'_>,
         limit: i64,
     ) -> impl Future<Output = Result<Vec<AuditEntry>, sqlx::Error>> + Send;
 }
@@ -32,7 +33,9 @@ pub(crate) fn statements(tables: &Tables, style: Style) -> (String, String) {
          {returning}"
     );
     let select = format!(
-        "SELECT id, at_ms, actor, action, subjects, {count}, outcome FROM {{t}}audit_log ORDER BY id DESC LIMIT ?"
+        "SELECT id, at_ms, actor, action, subjects, {count}, outcome FROM {{t}}audit_log
+          WHERE (? IS NULL OR actor = ?) AND (? IS NULL OR action = ?) AND (? IS NULL OR id < ?)
+          ORDER BY id DESC LIMIT ?"
     );
     (style.finish(&tables.render(&insert)), style.finish(&tables.render(&select)))
 }
@@ -88,10 +91,20 @@ macro_rules! impl_audit {
             async fn audit_entries(
                 pool: &sqlx::Pool<$db>,
                 tables: &$crate::store::Tables,
+                query: &$crate::audit::AuditQuery<'_>,
                 limit: i64,
             ) -> Result<Vec<$crate::audit::AuditEntry>, sqlx::Error> {
                 let (_, select) = $crate::store::audit::statements(tables, $style);
-                sqlx::query_as(&select).bind(limit).fetch_all(pool).await
+                sqlx::query_as(&select)
+                    .bind(query.actor)
+                    .bind(query.actor)
+                    .bind(query.action)
+                    .bind(query.action)
+                    .bind(query.before_id)
+                    .bind(query.before_id)
+                    .bind(limit)
+                    .fetch_all(pool)
+                    .await
             }
         }
     };

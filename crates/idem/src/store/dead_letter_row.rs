@@ -30,15 +30,17 @@ where
     };
     let sql = tables.render(&format!(
         r#"INSERT INTO {{t}}dead_letters AS d
-             (consumer_group, event_id, topic, partition, "offset", key, payload, headers, error, attempts)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+             (consumer_group, event_id, topic, partition, "offset", key, payload, headers, error, attempts, fingerprint)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
            ON CONFLICT {conflict} DO UPDATE SET
              topic = excluded.topic, partition = excluded.partition, "offset" = excluded."offset",
              key = excluded.key, payload = excluded.payload, headers = excluded.headers,
-             error = excluded.error, attempts = d.attempts + excluded.attempts,
+             error = excluded.error, fingerprint = excluded.fingerprint, attempts = d.attempts + excluded.attempts,
              last_failed_at = {now}, status = 'dead'"#
     ));
     let m = letter.message;
+    let error = letter.error.replace('\0', "\\0");
+    let fingerprint = crate::dead_letter::groups::fingerprint(group, None, &error);
     sqlx::query(&sql)
         .bind(group)
         .bind(letter.event_id)
@@ -48,8 +50,9 @@ where
         .bind(m.key.as_deref())
         .bind(m.payload.as_slice())
         .bind(encode_headers(&m.headers))
-        .bind(letter.error.replace('\0', "\\0"))
+        .bind(error)
         .bind(letter.attempts)
+        .bind(fingerprint)
         .execute(conn)
         .await?;
     Ok(())

@@ -10,6 +10,7 @@ pub mod audit;
 pub(crate) mod connect;
 mod dead_letter_row;
 mod headers;
+pub mod letter_pages;
 mod migrate;
 pub mod parking;
 
@@ -149,13 +150,6 @@ pub trait Operations: Store {
         tables: &Tables,
         group: Option<&str>,
     ) -> impl Future<Output = Result<Vec<GroupStats>, Error>> + Send;
-    /// Dead letters, oldest first, optionally of one group only.
-    fn dead_letters(
-        pool: &sqlx::Pool<Self>,
-        tables: &Tables,
-        group: Option<&str>,
-        limit: i64,
-    ) -> impl Future<Output = Result<Vec<DeadLetter>, Error>> + Send;
     /// First step of a replay, in one transaction: deletes the event's marker and marks the row `replaying`,
     /// unless replaying could apply the effect twice (see [`ReplayRisk`]; `force` accepts pruned markers). With
     /// `check_only` it changes nothing and says whether the replay would start.
@@ -206,12 +200,17 @@ pub trait Operations: Store {
 
 /// A store idem consumes into and operates on: [`Store`], [`Operations`], [`parking::Parking`] and
 /// [`audit::AuditTrail`] together.
-pub trait Backend: Store + Operations + parking::Parking + audit::AuditTrail + archive::Archive {
+pub trait Backend:
+    Store + Operations + parking::Parking + audit::AuditTrail + archive::Archive + letter_pages::LetterPages
+{
     /// `postgres` or `sqlite` ([`Store::NAME`]).
     const NAME: &'static str;
 }
 
-impl<DB: Store + Operations + parking::Parking + audit::AuditTrail + archive::Archive> Backend for DB {
+impl<DB> Backend for DB
+where
+    DB: Store + Operations + parking::Parking + audit::AuditTrail + archive::Archive + letter_pages::LetterPages,
+{
     const NAME: &'static str = <DB as Store>::NAME;
 }
 

@@ -33,13 +33,13 @@ use crate::config::MarkerLayout;
 use crate::error::Error;
 use crate::message::Event;
 use crate::store::{
-    Claim, DeadLetter, GroupStats, IntactCommit, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
+    Claim, GroupStats, IntactCommit, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
     encode_headers, judge_existing, payload_digest,
 };
 
 mod outbox;
 
-static MIGRATIONS: [Migration; 7] = [
+static MIGRATIONS: [Migration; 8] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "outbox", sql: include_str!("sql/0003_outbox.sql") },
@@ -47,6 +47,7 @@ static MIGRATIONS: [Migration; 7] = [
     Migration { version: 5, name: "audit_log", sql: include_str!("sql/0005_audit_log.sql") },
     Migration { version: 6, name: "dead_letter_archive", sql: include_str!("sql/0006_dead_letter_archive.sql") },
     Migration { version: 7, name: "replay_lease", sql: include_str!("sql/0007_replay_lease.sql") },
+    Migration { version: 8, name: "failure_fingerprint", sql: include_str!("sql/0008_failure_fingerprint.sql") },
 ];
 
 /// The oldest servers this store is written for and tested against: MySQL 8.0 and MariaDB 10.6 (recursive
@@ -209,12 +210,12 @@ impl Store for MySql {
         let sql = tables.render(
             "INSERT INTO {t}dead_letters
                (consumer_group, event_id, topic, `partition`, `offset`, `key`, payload, headers, error, attempts,
-                first_failed_at, last_failed_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))
+                fingerprint, first_failed_at, last_failed_at)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))
              ON DUPLICATE KEY UPDATE
                topic = VALUES(topic), `partition` = VALUES(`partition`), `offset` = VALUES(`offset`),
                `key` = VALUES(`key`), payload = VALUES(payload), headers = VALUES(headers), error = VALUES(error),
-               attempts = attempts + VALUES(attempts), last_failed_at = UTC_TIMESTAMP(6), status = 'dead'",
+               fingerprint = VALUES(fingerprint), attempts = attempts + VALUES(attempts), last_failed_at = UTC_TIMESTAMP(6), status = 'dead'",
         );
         let m = letter.message;
         sqlx::query(&sql)
@@ -228,6 +229,7 @@ impl Store for MySql {
             .bind(encode_headers(&m.headers))
             .bind(letter.error)
             .bind(letter.attempts)
+            .bind(crate::dead_letter::groups::fingerprint(group, None, letter.error))
             .execute(conn)
             .await?;
         Ok(())
@@ -322,6 +324,7 @@ pub(crate) fn connect_fix(error: &dyn sqlx::error::DatabaseError) -> Option<&'st
 crate::store::audit::impl_audit!(MySql, crate::store::parking::Style::MySql);
 crate::store::archive::impl_archive!(MySql, crate::store::parking::Style::MySql);
 crate::store::parking::impl_parking!(MySql, crate::store::parking::Style::MySql, each);
+crate::store::letter_pages::impl_letter_pages!(MySql, crate::store::parking::Style::MySql);
 
 impl Operations for MySql {
     async fn stats(pool: &sqlx::MySqlPool, tables: &Tables, group: Option<&str>) -> Result<Vec<GroupStats>, Error> {
@@ -337,21 +340,6 @@ impl Operations for MySql {
                       LEFT JOIN d ON d.consumer_group = g.consumer_group ORDER BY 1",
         );
         Ok(sqlx::query_as(&sql).bind(group).bind(group).bind(group).bind(group).fetch_all(pool).await?)
-    }
-
-    async fn dead_letters(
-        pool: &sqlx::MySqlPool,
-        tables: &Tables,
-        group: Option<&str>,
-        limit: i64,
-    ) -> Result<Vec<DeadLetter>, Error> {
-        let sql = tables.render(
-            "SELECT id, CAST(consumer_group AS CHAR), CAST(event_id AS CHAR), CAST(topic AS CHAR), `partition`, `offset`, `key`, payload, headers, error,
-                    attempts, TIMESTAMPDIFF(MICROSECOND, '1970-01-01', first_failed_at) DIV 1000,
-                    TIMESTAMPDIFF(MICROSECOND, '1970-01-01', last_failed_at) DIV 1000, status
-               FROM {t}dead_letters WHERE ? IS NULL OR consumer_group = ? ORDER BY id LIMIT ?",
-        );
-        Ok(sqlx::query_as(&sql).bind(group).bind(group).bind(limit).fetch_all(pool).await?)
     }
 
     async fn begin_replay(

@@ -12,11 +12,11 @@ use crate::error::Error;
 use crate::message::Event;
 use crate::store::migrate::lock_key;
 use crate::store::{
-    Claim, DeadLetter, GroupStats, IntactCommit, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
+    Claim, GroupStats, IntactCommit, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
     judge_existing, payload_digest,
 };
 
-static MIGRATIONS: [Migration; 9] = [
+static MIGRATIONS: [Migration; 10] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "payload_digest", sql: include_str!("sql/0003_payload_digest.sql") },
@@ -26,6 +26,7 @@ static MIGRATIONS: [Migration; 9] = [
     Migration { version: 7, name: "audit_log", sql: include_str!("sql/0007_audit_log.sql") },
     Migration { version: 8, name: "dead_letter_archive", sql: include_str!("sql/0008_dead_letter_archive.sql") },
     Migration { version: 9, name: "replay_lease", sql: include_str!("sql/0009_replay_lease.sql") },
+    Migration { version: 10, name: "failure_fingerprint", sql: include_str!("sql/0010_failure_fingerprint.sql") },
 ];
 
 /// A stored marker as the reuse check reads it: event id, payload digest, topic, partition, offset.
@@ -249,6 +250,7 @@ fn sql_state(error: &sqlx::Error) -> Option<&str> {
 crate::store::audit::impl_audit!(Postgres, crate::store::parking::Style::Postgres);
 crate::store::archive::impl_archive!(Postgres, crate::store::parking::Style::Postgres);
 crate::store::parking::impl_parking!(Postgres, crate::store::parking::Style::Postgres, array);
+crate::store::letter_pages::impl_letter_pages!(Postgres, crate::store::parking::Style::Postgres);
 
 impl Operations for Postgres {
     async fn stats(pool: &sqlx::PgPool, tables: &Tables, group: Option<&str>) -> Result<Vec<GroupStats>, Error> {
@@ -261,21 +263,6 @@ impl Operations for Postgres {
                  FROM m FULL JOIN d ON m.consumer_group = d.consumer_group ORDER BY 1"#,
         );
         Ok(sqlx::query_as(&sql).bind(group).fetch_all(pool).await?)
-    }
-
-    async fn dead_letters(
-        pool: &sqlx::PgPool,
-        tables: &Tables,
-        group: Option<&str>,
-        limit: i64,
-    ) -> Result<Vec<DeadLetter>, Error> {
-        let sql = tables.render(
-            r#"SELECT id, consumer_group, event_id, topic, partition, "offset", key, payload, headers, error, attempts,
-                      (EXTRACT(EPOCH FROM first_failed_at) * 1000)::bigint,
-                      (EXTRACT(EPOCH FROM last_failed_at) * 1000)::bigint, status
-                 FROM {t}dead_letters WHERE $1::text IS NULL OR consumer_group = $1 ORDER BY id LIMIT $2"#,
-        );
-        Ok(sqlx::query_as(&sql).bind(group).bind(limit).fetch_all(pool).await?)
     }
 
     async fn begin_replay(

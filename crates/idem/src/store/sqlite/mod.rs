@@ -7,11 +7,11 @@ use crate::config::MarkerLayout;
 use crate::error::Error;
 use crate::message::Event;
 use crate::store::{
-    Claim, DeadLetter, GroupStats, IntactCommit, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
+    Claim, GroupStats, IntactCommit, Migration, MigrationReport, NewDeadLetter, Operations, Store, Tables,
     judge_existing, payload_digest,
 };
 
-static MIGRATIONS: [Migration; 8] = [
+static MIGRATIONS: [Migration; 9] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "payload_digest", sql: include_str!("sql/0003_payload_digest.sql") },
@@ -20,6 +20,7 @@ static MIGRATIONS: [Migration; 8] = [
     Migration { version: 6, name: "audit_log", sql: include_str!("sql/0006_audit_log.sql") },
     Migration { version: 7, name: "dead_letter_archive", sql: include_str!("sql/0007_dead_letter_archive.sql") },
     Migration { version: 8, name: "replay_lease", sql: include_str!("sql/0008_replay_lease.sql") },
+    Migration { version: 9, name: "failure_fingerprint", sql: include_str!("sql/0009_failure_fingerprint.sql") },
 ];
 
 impl Store for Sqlite {
@@ -132,6 +133,7 @@ impl Store for Sqlite {
 crate::store::audit::impl_audit!(Sqlite, crate::store::parking::Style::Sqlite);
 crate::store::archive::impl_archive!(Sqlite, crate::store::parking::Style::Sqlite);
 crate::store::parking::impl_parking!(Sqlite, crate::store::parking::Style::Sqlite, each);
+crate::store::letter_pages::impl_letter_pages!(Sqlite, crate::store::parking::Style::Sqlite);
 
 impl Operations for Sqlite {
     async fn stats(pool: &sqlx::SqlitePool, tables: &Tables, group: Option<&str>) -> Result<Vec<GroupStats>, Error> {
@@ -146,20 +148,6 @@ impl Operations for Sqlite {
                         LEFT JOIN d ON d.consumer_group = g.consumer_group ORDER BY 1"#,
         );
         Ok(sqlx::query_as(&sql).bind(group).fetch_all(pool).await?)
-    }
-
-    async fn dead_letters(
-        pool: &sqlx::SqlitePool,
-        tables: &Tables,
-        group: Option<&str>,
-        limit: i64,
-    ) -> Result<Vec<DeadLetter>, Error> {
-        let sql = tables.render(
-            r#"SELECT id, consumer_group, event_id, topic, partition, "offset", key, payload, headers, error, attempts,
-                      first_failed_at, last_failed_at, status
-                 FROM {t}dead_letters WHERE $1 IS NULL OR consumer_group = $1 ORDER BY id LIMIT $2"#,
-        );
-        Ok(sqlx::query_as(&sql).bind(group).bind(limit).fetch_all(pool).await?)
     }
 
     async fn begin_replay(
