@@ -147,6 +147,18 @@ async function step(name, body) {
       assert.match(await row.textContent(), /ok/);
       await shot(page, 'audit');
     });
+
+    await step('the markers view counts the markers and dry-runs a prune', async () => {
+      await page.goto(`${base}/markers`);
+      await page.waitForSelector('#markers');
+      assert.match(await page.textContent('#markers'), /100/, 'one marker per payment applied');
+      assert.match(await page.textContent('#prune'), /would delete 0 marker/);
+      assert.equal(sql('SELECT COUNT(*) FROM processed_events'), '100', 'a dry run deletes nothing');
+      await shot(page, 'markers');
+      await page.goto(`${base}/outbox`);
+      await page.waitForSelector('#dead-total');
+      await shot(page, 'outbox');
+    });
   } finally {
     await browser.close();
   }

@@ -56,14 +56,21 @@ pub enum OutboxCommand {
         /// At most this many.
         #[arg(long, default_value_t = 100)]
         limit: i64,
+        /// Only the messages that failed at least once.
+        #[arg(long)]
+        failing: bool,
         /// Print one JSON array instead of a table.
         #[arg(long)]
         json: bool,
     },
-    /// How many messages wait, the oldest one's age, how many failed at least once.
+    /// How many messages wait, the oldest one's age, how many failed at least once; per destination with
+    /// --by-destination.
     Stats {
         #[command(flatten)]
         db: DbArgs,
+        /// The figures of each destination.
+        #[arg(long)]
+        by_destination: bool,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -236,9 +243,9 @@ async fn rabbitmq_producer(_: &str) -> anyhow::Result<Publish<idem::embedded::Lo
 /// Runs an `idem outbox` command.
 pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
     match command {
-        OutboxCommand::List { db, limit, json } => {
+        OutboxCommand::List { db, limit, failing, json } => {
             let (pool, tables) = Db::open_with(&db, "outbox").await?;
-            let messages = with_pool!(&pool, pool => idem::outbox::list(pool, &tables, limit).await?);
+            let messages = with_pool!(&pool, pool => idem::outbox::list(pool, &tables, failing, limit).await?);
             if json {
                 let rows: Vec<serde_json::Value> = messages
                     .iter()
@@ -270,7 +277,21 @@ pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
                 }
             }
         }
-        OutboxCommand::Stats { db, json } => {
+        OutboxCommand::Stats { db, by_destination: true, json } => {
+            let (pool, tables) = Db::open_with(&db, "outbox").await?;
+            let destinations = with_pool!(&pool, pool => idem::outbox::destinations(pool, &tables).await?);
+            if json {
+                println!("{}", serde_json::to_string(&destinations)?);
+            } else if destinations.is_empty() {
+                println!("the outbox is empty");
+            } else {
+                for d in &destinations {
+                    let oldest = d.oldest_age_seconds.map_or("-".to_owned(), |s| format!("{s:.1}s"));
+                    println!("{}: pending {}, oldest {oldest}, failing {}", d.destination, d.pending, d.failing);
+                }
+            }
+        }
+        OutboxCommand::Stats { db, by_destination: false, json } => {
             let (pool, tables) = Db::open_with(&db, "outbox").await?;
             let stats = with_pool!(&pool, pool => idem::outbox::stats(pool, &tables).await?);
             if json {
@@ -281,45 +302,22 @@ pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
             }
         }
         OutboxCommand::Requeue { db, ids, all, relay, actor } => {
-            if ids.is_empty() && !all {
-                bail!(
-                    "name the dead letters to requeue (ids from `idem dead-letters list --group outbox:<relay>`) or pass --all"
-                );
-            }
+            use idem::outbox::requeue::{RequeueError, Requeued, requeue};
             let (pool, tables) = Db::open_with(&db, "outbox").await?;
-            let group = relay.map(|r| format!("outbox:{r}"));
-            let letters =
-                with_pool!(&pool, pool => idem::dead_letter::list(pool, &tables, group.as_deref(), i64::MAX).await?);
-            let chosen: Vec<i64> = letters
-                .iter()
-                .filter(|l| l.consumer_group.starts_with("outbox:"))
-                .filter(|l| all || ids.contains(&l.id))
-                .map(|l| l.id)
-                .collect();
-            for id in &ids {
-                if !chosen.contains(id) {
-                    bail!("no outbox dead letter with id {id}; see `idem dead-letters list --group outbox:<relay>`");
-                }
+            let done = with_pool!(&pool, pool => requeue(pool, &tables, &ids, all, relay.as_deref(), false).await);
+            let (done, outcome): (Requeued, anyhow::Result<()>) = match done {
+                Ok(done) => (done, Ok(())),
+                Err(RequeueError::Refused(why)) => bail!(why),
+                Err(RequeueError::Failed { done, error }) => (done, Err(error.into())),
+            };
+            for id in &done.requeued {
+                println!("requeued {id}");
             }
-            let mut requeued = 0;
-            let mut outcome: anyhow::Result<()> = Ok(());
-            for id in &chosen {
-                match with_pool!(&pool, pool => idem::outbox::requeue_dead_letter(pool, &tables, *id).await) {
-                    Ok(true) => {
-                        requeued += 1;
-                        println!("requeued {id}");
-                    }
-                    Ok(false) => {}
-                    Err(error) => {
-                        outcome = Err(error.into());
-                        break;
-                    }
-                }
-            }
-            let subjects = format!("dead letters {chosen:?}");
-            crate::audit::note(&pool, &tables, &actor.name(), "outbox requeue", subjects, &outcome, requeued).await;
+            let subjects = format!("dead letters {:?}", done.chosen);
+            let count = done.requeued.len() as i64;
+            crate::audit::note(&pool, &tables, &actor.name(), "outbox requeue", subjects, &outcome, count).await;
             outcome?;
-            println!("{requeued} dead letter(s) back in the outbox");
+            println!("{} dead letter(s) back in the outbox", done.requeued.len());
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -246,6 +246,8 @@ async fn the_console_acts_as_the_command_line_does_and_only_for_operators() {
     assert_eq!(nobody["items"].as_array().map(Vec::len), Some(0), "{nobody}");
     let replays = api(addr, "GET", "/api/v1/audit?action=dead-letters%20replay", VIEWER, "").await.json();
     assert!(replays["items"].as_array().is_some_and(|e| e.iter().all(|e| e["action"] == "dead-letters replay")));
+    let inbox = api(addr, "GET", "/api/v1/inbox", VIEWER, "").await;
+    assert!(inbox.status == 404 && inbox.body.contains("runs on PostgreSQL"), "{}", inbox.body);
     for path in ["/api/v1/audit?limit=0", "/api/v1/dead-letters?limit=501", "/api/v1/parked?limit=-1"] {
         let refused = api(addr, "GET", path, VIEWER, "").await;
         assert_eq!(refused.status, 400, "{path}: {}", refused.body);

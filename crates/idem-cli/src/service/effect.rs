@@ -9,7 +9,7 @@ use std::sync::Arc;
 use idem::console::trial::{Boxed, StatementRows};
 use idem::console::{Trial, TrialReport};
 use idem::guard::{Field, GuardStore, StateMachine, VersionGuard};
-use idem::outbox::{OutboxStore, OutgoingMessage};
+use idem::outbox::OutgoingMessage;
 use idem::{BatchHandler, Event, Handler, HandlerError};
 use sqlx::{MySqlConnection, PgConnection, SqliteConnection};
 
@@ -18,7 +18,7 @@ use super::sql::Rendered;
 use super::value::{self, Param, ParamType, Value};
 
 /// What the service needs of a database beyond idem's stores: running a rendered statement with its values.
-pub trait ServiceDb: GuardStore + OutboxStore {
+pub trait ServiceDb: GuardStore + idem::console::ConsoleStore {
     /// Runs `sql` once, each placeholder bound to its parameter's value; returns the rows it changed.
     fn run_each(
         conn: &mut Self::Connection,

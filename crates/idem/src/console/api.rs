@@ -20,11 +20,11 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
-use super::{Console, Role, User};
+use super::{Console, ConsoleStore, Role, User};
 use crate::dead_letter::selection::{Chosen, Filter, FilterSpec, Taken};
 use crate::dead_letter::{Safety, Tally};
 use crate::source::Publisher;
-use crate::store::{Backend, DeadLetter};
+use crate::store::DeadLetter;
 
 /// `{"error": why}` with `status`.
 pub fn error(status: StatusCode, why: &str) -> Response {
@@ -138,7 +138,7 @@ impl Acted {
 /// Why an action did nothing: the status and the reason.
 pub type Refusal = (StatusCode, String);
 
-impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
+impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
     /// The filter, its fields checked and the console's message-type setting applied when the request has none.
     pub(crate) fn filter(&self, mut spec: FilterSpec) -> Result<Filter, Refusal> {
         if spec.message_type.is_none() {
@@ -245,7 +245,7 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
 }
 
 /// `GET /api/v1/whoami`.
-pub async fn whoami<DB: Backend, P: Publisher + 'static>(
+pub async fn whoami<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
 ) -> Response {
@@ -256,7 +256,7 @@ pub async fn whoami<DB: Backend, P: Publisher + 'static>(
 }
 
 /// `GET /api/v1/failure-groups`.
-pub async fn failure_groups<DB: Backend, P: Publisher + 'static>(
+pub async fn failure_groups<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     spec: Result<Query<FilterSpec>, QueryRejection>,
@@ -290,7 +290,7 @@ pub(crate) struct Listed {
 }
 
 /// One page of dead letters, oldest first, how many the filters take in all, and where the next page starts.
-pub(crate) async fn page_of<DB: Backend, P: Publisher + 'static>(
+pub(crate) async fn page_of<DB: ConsoleStore, P: Publisher + 'static>(
     c: &Console<DB, P>,
     page: Page,
 ) -> Result<Listed, Refusal> {
@@ -322,7 +322,7 @@ pub(crate) fn limit_of(limit: Option<i64>, default: i64, most: i64) -> Result<i6
 }
 
 /// `GET /api/v1/dead-letters`.
-pub async fn dead_letters<DB: Backend, P: Publisher + 'static>(
+pub async fn dead_letters<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     page: Result<Query<Page>, QueryRejection>,
@@ -346,7 +346,7 @@ pub async fn dead_letters<DB: Backend, P: Publisher + 'static>(
 }
 
 /// `GET /api/v1/dead-letters/{id}`.
-pub async fn dead_letter<DB: Backend, P: Publisher + 'static>(
+pub async fn dead_letter<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     id: Result<Path<i64>, PathRejection>,
@@ -365,7 +365,7 @@ pub async fn dead_letter<DB: Backend, P: Publisher + 'static>(
 }
 
 /// Dead letter `id`, if there is one.
-pub(crate) async fn find<DB: Backend, P: Publisher + 'static>(
+pub(crate) async fn find<DB: ConsoleStore, P: Publisher + 'static>(
     c: &Console<DB, P>,
     id: i64,
 ) -> Result<Option<DeadLetter>, crate::Error> {
@@ -375,7 +375,7 @@ pub(crate) async fn find<DB: Backend, P: Publisher + 'static>(
 }
 
 /// `POST /api/v1/dead-letters/replay`.
-pub async fn replay<DB: Backend, P: Publisher + 'static>(
+pub async fn replay<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     body: Result<Json<ActionBody>, axum::extract::rejection::JsonRejection>,
@@ -384,7 +384,7 @@ pub async fn replay<DB: Backend, P: Publisher + 'static>(
 }
 
 /// `POST /api/v1/dead-letters/discard`.
-pub async fn discard<DB: Backend, P: Publisher + 'static>(
+pub async fn discard<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     body: Result<Json<ActionBody>, axum::extract::rejection::JsonRejection>,
@@ -392,7 +392,7 @@ pub async fn discard<DB: Backend, P: Publisher + 'static>(
     act_api(&c, &headers, "discard", body).await
 }
 
-async fn act_api<DB: Backend, P: Publisher + 'static>(
+async fn act_api<DB: ConsoleStore, P: Publisher + 'static>(
     c: &Console<DB, P>,
     headers: &HeaderMap,
     action: &str,
@@ -443,7 +443,7 @@ pub struct AuditPage {
 }
 
 /// One page of the audit trail, newest first, and the id the next (older) page starts before.
-pub(crate) async fn audit_page<DB: Backend, P: Publisher + 'static>(
+pub(crate) async fn audit_page<DB: ConsoleStore, P: Publisher + 'static>(
     c: &Console<DB, P>,
     page: &AuditPage,
 ) -> Result<(Vec<crate::audit::AuditEntry>, Option<i64>), Refusal> {
@@ -461,7 +461,7 @@ pub(crate) async fn audit_page<DB: Backend, P: Publisher + 'static>(
 }
 
 /// `GET /api/v1/parked`.
-pub async fn parked<DB: Backend, P: Publisher + 'static>(
+pub async fn parked<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     listing: Result<Query<Listing>, QueryRejection>,
@@ -484,7 +484,7 @@ pub async fn parked<DB: Backend, P: Publisher + 'static>(
 }
 
 /// `GET /api/v1/audit`.
-pub async fn audit<DB: Backend, P: Publisher + 'static>(
+pub async fn audit<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     page: Result<Query<AuditPage>, QueryRejection>,
@@ -514,7 +514,7 @@ pub async fn audit<DB: Backend, P: Publisher + 'static>(
 }
 
 /// `GET /api/v1/consumers`: this process's consumers (none for a console started alone).
-pub async fn consumers<DB: Backend, P: Publisher + 'static>(
+pub async fn consumers<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
 ) -> Response {
@@ -526,7 +526,7 @@ pub async fn consumers<DB: Backend, P: Publisher + 'static>(
 
 /// `POST /api/v1/consumers/{group}/resume`: closes the consumer's tripped kill switch (the consumer writes the
 /// audit entry, naming the user).
-pub async fn resume<DB: Backend, P: Publisher + 'static>(
+pub async fn resume<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     group: Result<Path<String>, PathRejection>,
@@ -544,7 +544,7 @@ pub async fn resume<DB: Backend, P: Publisher + 'static>(
     }
 }
 
-impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
+impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
     /// Resumes consumer `group` as `user`; whether it was paused.
     pub(crate) fn resume(&self, user: &User, group: &str) -> Result<bool, Refusal> {
         let consumer = self.config.consumers.find(group).ok_or_else(|| {
@@ -583,7 +583,7 @@ pub enum Edited {
     Replayed(Option<i64>),
 }
 
-impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
+impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
     /// Dry-runs or replays dead letter `id` with an edited payload, as `user`.
     pub(crate) async fn edit(&self, user: &User, id: i64, request: &EditRequest) -> Result<Edited, Refusal> {
         if !self.config.show_payloads {
@@ -661,7 +661,7 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
 
 /// `POST /api/v1/dead-letters/{id}/edit`: `{"payload": "…", "dry_run": true}` runs the consumer's handler on the
 /// edited message and rolls back; without `dry_run`, the edited copy is replayed (the original kept in the archive).
-pub async fn edit<DB: Backend, P: Publisher + 'static>(
+pub async fn edit<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     id: Result<Path<i64>, PathRejection>,

@@ -13,9 +13,9 @@ use axum::response::{IntoResponse, Response};
 
 use super::api::{Refusal, error, query};
 use super::page::{esc, failed, signed_in, to_sign_in};
-use super::{Console, Role};
+use super::{Console, ConsoleStore, Role};
 use crate::source::Publisher;
-use crate::store::{Backend, GroupStats};
+use crate::store::GroupStats;
 
 /// The retention of the prune dry run when none is asked for.
 pub const DEFAULT_RETENTION: &str = "7d";
@@ -48,7 +48,7 @@ pub struct PruneDryRun {
     pub command: String,
 }
 
-async fn figures<DB: Backend, P: Publisher + 'static>(
+async fn figures<DB: ConsoleStore, P: Publisher + 'static>(
     c: &Console<DB, P>,
     asked: &MarkersQuery,
 ) -> Result<Markers, Refusal> {
@@ -69,7 +69,7 @@ async fn figures<DB: Backend, P: Publisher + 'static>(
 }
 
 /// `GET /api/v1/markers`.
-pub async fn api<DB: Backend, P: Publisher + 'static>(
+pub async fn api<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     asked: Result<Query<MarkersQuery>, QueryRejection>,
@@ -88,7 +88,7 @@ pub async fn api<DB: Backend, P: Publisher + 'static>(
 }
 
 /// `GET /markers`.
-pub async fn page<DB: Backend, P: Publisher + 'static>(
+pub async fn page<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     Query(asked): Query<MarkersQuery>,

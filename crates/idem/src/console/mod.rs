@@ -21,8 +21,10 @@
 pub mod api;
 pub mod auth;
 pub mod consumers;
+pub mod inbox;
 pub mod markers;
 pub mod openapi;
+pub mod outbox;
 pub mod page;
 pub mod trial;
 
@@ -40,8 +42,9 @@ pub use trial::{HandlerTrial, Trial, TrialReport, Trials};
 
 use crate::audit::AuditEntry;
 use crate::error::Error;
+use crate::outbox::OutboxStore;
 use crate::source::Publisher;
-use crate::store::{Backend, Tables};
+use crate::store::Tables;
 
 /// How the console behaves.
 #[derive(Debug, Clone)]
@@ -74,8 +77,27 @@ impl ConsoleConfig {
     }
 }
 
+/// What the console needs of a store: the operator's tooling and the outbox ([`OutboxStore`], which is a
+/// [`Backend`]), and, on a store that has it, the Sequential Inbox (PostgreSQL only).
+pub trait ConsoleStore: OutboxStore {
+    /// The pool to the Sequential Inbox's tables, on a store that has them.
+    fn sequential_inbox(_pool: &sqlx::Pool<Self>) -> Option<&sqlx::PgPool> {
+        None
+    }
+}
+
+impl ConsoleStore for sqlx::Postgres {
+    fn sequential_inbox(pool: &sqlx::PgPool) -> Option<&sqlx::PgPool> {
+        Some(pool)
+    }
+}
+
+impl ConsoleStore for sqlx::Sqlite {}
+
+impl ConsoleStore for sqlx::MySql {}
+
 /// What the console's handlers share.
-pub struct Console<DB: Backend, P> {
+pub struct Console<DB: ConsoleStore, P> {
     pool: sqlx::Pool<DB>,
     tables: Tables,
     publisher: Option<P>,
@@ -85,7 +107,7 @@ pub struct Console<DB: Backend, P> {
     sessions: auth::Sessions,
 }
 
-impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
+impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
     /// The user a bearer token names, or the status and reason that refuse the request.
     fn api_user(&self, headers: &HeaderMap, needs: Role) -> Result<User, api::Refusal> {
         let token = headers
@@ -138,7 +160,7 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
 /// The console's routes: the page at `/`, the JSON API under `/api/v1/`. Mount it into an application of your own
 /// or serve it with [`serve`]. `publisher` replays dead letters (each to the topic it came from); without one,
 /// replays are refused with the reason.
-pub fn router<DB: Backend, P: Publisher + 'static>(
+pub fn router<DB: ConsoleStore, P: Publisher + 'static>(
     pool: sqlx::Pool<DB>,
     tables: Tables,
     publisher: Option<P>,
@@ -173,6 +195,11 @@ pub fn router<DB: Backend, P: Publisher + 'static>(
         .route("/api/v1/consumers/{group}/resume", post(api::resume::<DB, P>))
         .route("/api/v1/audit", get(api::audit::<DB, P>))
         .route("/api/v1/markers", get(markers::api::<DB, P>))
+        .route("/api/v1/outbox", get(outbox::api::<DB, P>))
+        .route("/api/v1/inbox", get(inbox::list_api::<DB, P>))
+        .route("/api/v1/inbox/{id}", get(inbox::show_api::<DB, P>))
+        .route("/api/v1/inbox/{id}/{action}", post(inbox::act_api::<DB, P>))
+        .route("/api/v1/outbox/requeue", post(outbox::requeue_api::<DB, P>))
         .route("/", get(page::groups::<DB, P>))
         .route("/dead-letters", get(page::dead_letters::<DB, P>))
         .route("/dead-letters/{id}", get(page::dead_letter::<DB, P>))
@@ -181,6 +208,11 @@ pub fn router<DB: Backend, P: Publisher + 'static>(
         .route("/consumers/{group}/resume", post(page::resume::<DB, P>))
         .route("/audit", get(page::audit::<DB, P>))
         .route("/markers", get(markers::page::<DB, P>))
+        .route("/outbox", get(outbox::page::<DB, P>))
+        .route("/inbox", get(inbox::list_page::<DB, P>))
+        .route("/inbox/{id}", get(inbox::show_page::<DB, P>))
+        .route("/inbox/{id}/{action}", post(inbox::act_form::<DB, P>))
+        .route("/outbox/requeue", post(outbox::requeue_form::<DB, P>))
         .route("/actions/{action}", post(page::act::<DB, P>))
         .route("/dead-letters/{id}/edit", post(page::edit::<DB, P>))
         .route("/login", get(page::login_form).post(page::login::<DB, P>))
@@ -197,7 +229,7 @@ pub fn router<DB: Backend, P: Publisher + 'static>(
 
 /// Binds `addr` and serves [`router`] in the background for as long as the process runs; returns the bound
 /// address (port 0 picks one).
-pub async fn serve<DB: Backend, P: Publisher + 'static>(
+pub async fn serve<DB: ConsoleStore, P: Publisher + 'static>(
     addr: SocketAddr,
     pool: sqlx::Pool<DB>,
     tables: Tables,

@@ -132,6 +132,19 @@ fn resume() -> Value {
     )
 }
 
+/// A POST with a JSON body of schema `request` answering `ok`, with path parameters.
+fn posted(summary: &str, parameters: Vec<Value>, request: &str, ok: &str, extra: &[(&str, &str)]) -> Value {
+    let mut op = operation(
+        summary,
+        parameters,
+        answer("What was done (or, with dry_run, what would be).", reference(ok)),
+        extra,
+    );
+    op["requestBody"] = body(reference(request));
+    op["requestBody"]["required"] = true.into();
+    op
+}
+
 fn string() -> Value {
     json!({ "type": "string" })
 }
@@ -214,6 +227,49 @@ pub fn document() -> Value {
                 &[],
             ) },
             "/api/v1/consumers/{group}/resume": { "post": resume() },
+            "/api/v1/outbox": { "get": operation(
+                "Each destination's backlog, the waiting rows that failed, the relays' dead letters.",
+                vec![],
+                answer("The backlog.", reference("Outbox")),
+                &[],
+            ) },
+            "/api/v1/outbox/requeue": { "post": posted(
+                "Put relay dead letters back into the outbox.",
+                vec![],
+                "RequeueRequest",
+                "RequeueResult",
+                &[("403", "The user is a viewer."), ("409", "Nothing named, or an id that is not a relay's dead letter; nothing was done.")],
+            ) },
+            "/api/v1/inbox": { "get": operation(
+                "Sequential Inbox instances, oldest first (PostgreSQL).",
+                vec![
+                    query("sequence", "Only this sequence's instances.", string()),
+                    query("status", "OPEN or CLOSED.", string()),
+                    query("stuck", "Only those holding WAITING or FAILED messages.", json!({ "type": "boolean" })),
+                    query("limit", "At most this many (1 to 1000, default 100; out of range is refused).", integer()),
+                ],
+                answer("The instances.", object(json!({ "items": { "type": "array", "items": reference("Instance") } }), &["items"])),
+                &[("404", "The console's database has no Sequential Inbox (it runs on PostgreSQL).")],
+            ) },
+            "/api/v1/inbox/{id}": { "get": operation(
+                "One instance and its messages, in arrival order.",
+                vec![json!({ "name": "id", "in": "path", "required": true, "schema": integer() })],
+                answer("The instance.", object(json!({
+                    "instance": reference("Instance"),
+                    "messages": { "type": "array", "items": reference("InstanceMessage") },
+                }), &["instance", "messages"])),
+                &[("404", "No such instance, or no Sequential Inbox here.")],
+            ) },
+            "/api/v1/inbox/{id}/{action}": { "post": posted(
+                "Close an instance, or release its held messages (or one of them).",
+                vec![
+                    json!({ "name": "id", "in": "path", "required": true, "schema": integer() }),
+                    json!({ "name": "action", "in": "path", "required": true, "schema": { "type": "string", "enum": ["close", "release"] } }),
+                ],
+                "InstanceAction",
+                "InstanceResult",
+                &[("403", "The user is a viewer."), ("404", "No such instance or message."), ("409", "Already closed, or nothing to release; nothing was done.")],
+            ) },
             "/api/v1/markers": { "get": operation(
                 "Each consumer group's markers and dead letters, and a prune dry run.",
                 vec![query("retention", "The prune dry run's retention (7d, 36h; default 7d).", string())],
@@ -306,6 +362,49 @@ pub fn document() -> Value {
                     }), &["consumer_group", "markers", "dead_letters", "oldest_marker_age_seconds"]) },
                     "prune": object(json!({ "retention": string(), "would_delete": integer(), "command": string() }), &["retention", "would_delete", "command"]),
                 }), &["groups", "prune"]),
+                "Outbox": object(json!({
+                    "destinations": { "type": "array", "items": object(json!({
+                        "destination": string(), "pending": integer(), "failing": integer(),
+                        "oldest_age_seconds": { "type": "number", "nullable": true },
+                    }), &["destination", "pending", "failing", "oldest_age_seconds"]) },
+                    "failing": { "type": "array", "items": object(json!({
+                        "id": integer(), "event_id": string(), "destination": string(), "attempts": { "type": "integer" },
+                        "last_error": nullable_string(), "age_seconds": { "type": "number" },
+                    }), &["id", "event_id", "destination", "attempts", "age_seconds"]) },
+                    "dead_letters": object(json!({
+                        "items": { "type": "array", "items": reference("DeadLetter") }, "total": integer(),
+                    }), &["items", "total"]),
+                }), &["destinations", "failing", "dead_letters"]),
+                "RequeueRequest": {
+                    "type": "object",
+                    "properties": {
+                        "ids": ids(), "all": { "type": "boolean" }, "relay": string(), "dry_run": { "type": "boolean" },
+                    },
+                    "additionalProperties": false,
+                },
+                "RequeueResult": object(json!({
+                    "dry_run": { "type": "boolean" }, "chosen": ids(), "requeued": ids(), "gone": ids(),
+                    "audit_id": { "type": "integer", "format": "int64", "nullable": true },
+                }), &["dry_run", "chosen", "requeued", "gone", "audit_id"]),
+                "Instance": object(json!({
+                    "id": integer(), "sequence_name": string(), "context_id": string(), "status": string(),
+                    "created_at": string(), "retain_until": string(), "processed": integer(), "waiting": integer(),
+                    "failed": integer(),
+                }), &["id", "sequence_name", "context_id", "status", "created_at", "retain_until", "processed", "waiting", "failed"]),
+                "InstanceMessage": object(json!({
+                    "id": integer(), "message_type": string(), "idempotence_id": string(), "status": string(),
+                    "position": string(), "error": nullable_string(), "force_release": { "type": "boolean" },
+                    "received_at": string(), "processed_at": nullable_string(),
+                }), &["id", "message_type", "idempotence_id", "status", "position", "force_release", "received_at"]),
+                "InstanceAction": {
+                    "type": "object",
+                    "properties": { "message": integer(), "dry_run": { "type": "boolean" } },
+                    "additionalProperties": false,
+                },
+                "InstanceResult": object(json!({
+                    "dry_run": { "type": "boolean" }, "closed": { "type": "boolean" }, "waiting": integer(),
+                    "released": integer(), "audit_id": { "type": "integer", "format": "int64", "nullable": true },
+                }), &["dry_run", "audit_id"]),
                 "AuditPage": object(json!({
                     "items": { "type": "array", "items": reference("AuditEntry") },
                     "next_before": { "type": "integer", "format": "int64", "nullable": true },

@@ -13,10 +13,10 @@ use axum::response::{Html, IntoResponse, Redirect, Response};
 
 use super::api::{Acted, ActionRequest, Listing, Page};
 use super::auth::{Session, csrf_ok};
-use super::{Console, Role, refuse};
+use super::{Console, ConsoleStore, Role, refuse};
 use crate::dead_letter::selection::FilterSpec;
 use crate::source::Publisher;
-use crate::store::{Backend, DeadLetter, rfc3339_from_ms};
+use crate::store::{DeadLetter, rfc3339_from_ms};
 
 const COOKIE: &str = "idem_console";
 
@@ -54,7 +54,7 @@ pub async fn stylesheet() -> Response {
     ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], include_str!("console.css")).into_response()
 }
 
-impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
+impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
     /// The session of the request's cookie.
     fn session(&self, headers: &HeaderMap) -> Option<(String, Session)> {
         let cookies = headers.get_all(header::COOKIE);
@@ -93,7 +93,7 @@ impl<DB: Backend, P: Publisher + 'static> Console<DB, P> {
 }
 
 /// The session of a page's request; without one, the page sends the browser to sign in ([`to_sign_in`]).
-pub(crate) fn signed_in<DB: Backend, P: Publisher + 'static>(
+pub(crate) fn signed_in<DB: ConsoleStore, P: Publisher + 'static>(
     c: &Console<DB, P>,
     headers: &HeaderMap,
 ) -> Option<Session> {
@@ -110,7 +110,7 @@ pub(crate) fn failed(status: StatusCode, why: &str) -> Response {
 
 /// The session of an operator's form: from this console's own pages (same origin), signed in, with the session's
 /// CSRF token, by an operator; else the status and why.
-pub(crate) fn operator_form<DB: Backend, P: Publisher + 'static>(
+pub(crate) fn operator_form<DB: ConsoleStore, P: Publisher + 'static>(
     c: &Console<DB, P>,
     headers: &HeaderMap,
     form: &[(String, String)],
@@ -147,7 +147,7 @@ fn login_page(message: &str) -> Response {
 }
 
 /// `POST /login`: a token of the console's users opens a session.
-pub async fn login<DB: Backend, P: Publisher + 'static>(
+pub async fn login<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     Form(form): Form<Vec<(String, String)>>,
@@ -173,7 +173,7 @@ pub async fn login<DB: Backend, P: Publisher + 'static>(
 }
 
 /// `POST /logout`.
-pub async fn logout<DB: Backend, P: Publisher + 'static>(
+pub async fn logout<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     Form(form): Form<Vec<(String, String)>>,
@@ -260,7 +260,7 @@ fn filter_form(action: &str, spec: &FilterSpec) -> String {
 }
 
 /// `GET /`: the failure groups.
-pub async fn groups<DB: Backend, P: Publisher + 'static>(
+pub async fn groups<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     Query(spec): Query<FilterSpec>,
@@ -350,7 +350,7 @@ fn action_forms(session: &Session, hidden: &str, count: &str) -> String {
 }
 
 /// `GET /dead-letters`: a page of dead letters and the actions on all that the filters take.
-pub async fn dead_letters<DB: Backend, P: Publisher + 'static>(
+pub async fn dead_letters<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     Query(page): Query<Page>,
@@ -383,7 +383,7 @@ pub async fn dead_letters<DB: Backend, P: Publisher + 'static>(
 }
 
 /// `GET /dead-letters/{id}`: one letter whole.
-pub async fn dead_letter<DB: Backend, P: Publisher + 'static>(
+pub async fn dead_letter<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     Path(id): Path<i64>,
@@ -447,7 +447,7 @@ pub async fn dead_letter<DB: Backend, P: Publisher + 'static>(
 
 /// `POST /actions/{replay|discard}`: without `confirm`, what would happen (the dry run) and a form to confirm it
 /// on exactly those ids; with it, the action, then the result and a link to the audit trail.
-pub async fn act<DB: Backend, P: Publisher + 'static>(
+pub async fn act<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     Path(action): Path<String>,
@@ -492,7 +492,7 @@ pub async fn act<DB: Backend, P: Publisher + 'static>(
     }
 }
 
-fn confirm_page<DB: Backend, P: Publisher + 'static>(
+fn confirm_page<DB: ConsoleStore, P: Publisher + 'static>(
     c: &Console<DB, P>,
     session: &Session,
     action: &str,
@@ -540,7 +540,7 @@ fn confirm_page<DB: Backend, P: Publisher + 'static>(
     c.layout(&format!("{} {} dead letter(s)?", capitalized(action), ids.len()), session, &body)
 }
 
-fn result_page<DB: Backend, P: Publisher + 'static>(
+fn result_page<DB: ConsoleStore, P: Publisher + 'static>(
     c: &Console<DB, P>,
     session: &Session,
     action: &str,
@@ -589,16 +589,7 @@ fn result_page<DB: Backend, P: Publisher + 'static>(
             }
         }
     }
-    match entry {
-        Some(id) => {
-            let _ = write!(
-                body,
-                r##"<p><a id="audit-link" href="/audit#audit-{id}">The audit trail's entry ({id})</a></p>"##
-            );
-        }
-        None => body
-            .push_str(r#"<p class="error">The audit trail could not record this action (see the console's log).</p>"#),
-    }
+    body.push_str(&audit_link(entry));
     c.layout(&format!("{} done", capitalized(action)), session, &body)
 }
 
@@ -608,7 +599,7 @@ fn capitalized(word: &str) -> String {
 }
 
 /// `GET /parked`.
-pub async fn parked<DB: Backend, P: Publisher + 'static>(
+pub async fn parked<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     Query(listing): Query<Listing>,
@@ -646,7 +637,7 @@ pub async fn parked<DB: Backend, P: Publisher + 'static>(
 }
 
 /// `GET /audit`: the audit trail, newest first, a page at a time, by actor and action.
-pub async fn audit<DB: Backend, P: Publisher + 'static>(
+pub async fn audit<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     Query(page): Query<super::api::AuditPage>,
@@ -699,7 +690,7 @@ pub async fn audit<DB: Backend, P: Publisher + 'static>(
 }
 
 /// `GET /consumers`: this process's consumers, and the kill switch's resume for a paused one.
-pub async fn consumers<DB: Backend, P: Publisher + 'static>(
+pub async fn consumers<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
 ) -> Response {
@@ -753,7 +744,7 @@ pub async fn consumers<DB: Backend, P: Publisher + 'static>(
 }
 
 /// `POST /consumers/{group}/resume`.
-pub async fn resume<DB: Backend, P: Publisher + 'static>(
+pub async fn resume<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     Path(group): Path<String>,
@@ -797,7 +788,7 @@ fn edit_form(session: &Session, id: i64, payload: &str, step: &str, button: &str
 
 /// `POST /dead-letters/{id}/edit`: `step=dry` runs the consumer's handler on the edited payload and rolls back,
 /// then offers the retry; `step=retry` replays the edited copy (the original kept in the archive).
-pub async fn edit<DB: Backend, P: Publisher + 'static>(
+pub async fn edit<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
     Path(id): Path<i64>,
@@ -859,6 +850,18 @@ pub async fn edit<DB: Backend, P: Publisher + 'static>(
             let mut page = c.layout("Not done", &session, &body);
             *page.status_mut() = status;
             page
+        }
+    }
+}
+
+/// The link to an action's audit entry, or why there is none.
+pub(crate) fn audit_link(entry: Option<i64>) -> String {
+    match entry {
+        Some(id) => {
+            format!(r##"<p><a id="audit-link" href="/audit#audit-{id}">The audit trail's entry ({id})</a></p>"##)
+        }
+        None => {
+            r#"<p class="error">The audit trail could not record this action (see the console's log).</p>"#.to_owned()
         }
     }
 }

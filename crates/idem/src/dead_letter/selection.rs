@@ -131,6 +131,7 @@ impl Filter {
     fn query(&self) -> LetterQuery<'_> {
         LetterQuery {
             group: self.spec.group.as_deref(),
+            group_prefix: None,
             id: None,
             fingerprint: self.fingerprint.as_deref().filter(|_| self.typing.is_none()),
             matching: self.spec.matching.as_deref(),

@@ -30,6 +30,7 @@ mod delivery;
 #[cfg(feature = "http-delivery")]
 mod http;
 mod relay;
+pub mod requeue;
 mod settlement;
 pub(crate) mod store;
 
@@ -37,7 +38,9 @@ pub use delivery::{Call, Delivered, Delivery, DeliveryError, Publish};
 #[cfg(feature = "http-delivery")]
 pub use http::{HttpDelivery, HttpOr, METHOD_HEADER, is_http};
 pub use relay::{Relay, RelayConfig, RelayStats};
-pub use store::{OutboxConnection, OutboxStats, OutboxStore, list, requeue_dead_letter, stats};
+pub use store::{
+    DestinationStats, OutboxConnection, OutboxStats, OutboxStore, destinations, list, requeue_dead_letter, stats,
+};
 
 use crate::message::{EVENT_ID_HEADER, Message};
 use crate::store::Tables;

@@ -45,6 +45,19 @@ pub struct OutboxStats {
     pub failing: i64,
 }
 
+/// One destination's backlog, for the console's outbox view.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct DestinationStats {
+    /// The destination (topic, subject, queue).
+    pub destination: String,
+    /// Messages waiting to be delivered there.
+    pub pending: i64,
+    /// The age of the oldest, in seconds.
+    pub oldest_age_seconds: Option<f64>,
+    /// Waiting messages that failed at least once.
+    pub failing: i64,
+}
+
 /// What the relay wakes on besides its poll interval.
 pub enum Wakeup {
     /// PostgreSQL: notifications from the outbox's insert trigger.
@@ -104,10 +117,16 @@ pub trait OutboxStore: Backend {
         pool: &sqlx::Pool<Self>,
         tables: &Tables,
     ) -> impl Future<Output = Result<OutboxStats, Error>> + Send;
-    /// The oldest `limit` waiting messages.
+    /// The same figures per destination, the largest backlog first.
+    fn destinations(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+    ) -> impl Future<Output = Result<Vec<DestinationStats>, Error>> + Send;
+    /// The oldest `limit` waiting messages (only those that failed at least once, with `failing_only`).
     fn list(
         pool: &sqlx::Pool<Self>,
         tables: &Tables,
+        failing_only: bool,
         limit: i64,
     ) -> impl Future<Output = Result<Vec<OutboxMessage>, Error>> + Send;
     /// What wakes a relay when rows are enqueued.
@@ -127,13 +146,34 @@ pub async fn requeue_dead_letter<DB: OutboxStore>(
     DB::requeue(pool, tables, id).await
 }
 
-/// The oldest `limit` messages waiting in the outbox in `tables`.
+/// The oldest `limit` messages waiting in the outbox in `tables` (only those that failed at least once, with
+/// `failing_only`).
 pub async fn list<DB: OutboxStore>(
     pool: &sqlx::Pool<DB>,
     tables: &Tables,
+    failing_only: bool,
     limit: i64,
 ) -> Result<Vec<OutboxMessage>, Error> {
-    DB::list(pool, tables, limit).await
+    DB::list(pool, tables, failing_only, limit).await
+}
+
+/// Each destination's backlog, the largest first.
+pub async fn destinations<DB: OutboxStore>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+) -> Result<Vec<DestinationStats>, Error> {
+    DB::destinations(pool, tables).await
+}
+
+/// The condition `list` adds for `failing_only`.
+pub(crate) fn failing_condition(failing_only: bool) -> &'static str {
+    if failing_only { " WHERE attempts > 0" } else { "" }
+}
+
+/// A destination's figures from a row of any store: destination, pending, oldest age, failing.
+pub(crate) fn destination_of(row: (String, i64, Option<f64>, i64)) -> DestinationStats {
+    let (destination, pending, oldest_age_seconds, failing) = row;
+    DestinationStats { destination, pending, oldest_age_seconds, failing }
 }
 
 /// How many messages wait in the outbox in `tables`, the oldest one's age, how many failed.
@@ -301,9 +341,25 @@ impl OutboxStore for Postgres {
         Ok(OutboxStats { pending, oldest_age_seconds, failing })
     }
 
-    async fn list(pool: &sqlx::PgPool, tables: &Tables, limit: i64) -> Result<Vec<OutboxMessage>, Error> {
+    async fn destinations(pool: &sqlx::PgPool, tables: &Tables) -> Result<Vec<DestinationStats>, Error> {
+        let sql = tables.render(
+            "SELECT destination, count(*), EXTRACT(EPOCH FROM now() - min(enqueued_at))::float8,
+                    count(*) FILTER (WHERE attempts > 0)
+               FROM {t}outbox GROUP BY destination ORDER BY count(*) DESC, destination",
+        );
+        let rows = sqlx::query_as(&sql).fetch_all(pool).await?;
+        Ok(rows.into_iter().map(destination_of).collect())
+    }
+
+    async fn list(
+        pool: &sqlx::PgPool,
+        tables: &Tables,
+        failing_only: bool,
+        limit: i64,
+    ) -> Result<Vec<OutboxMessage>, Error> {
         let sql = tables.render(&format!(
-            "SELECT {COLUMNS}, EXTRACT(EPOCH FROM now() - enqueued_at)::float8 FROM {{t}}outbox ORDER BY id LIMIT $1"
+            "SELECT {COLUMNS}, EXTRACT(EPOCH FROM now() - enqueued_at)::float8 FROM {{t}}outbox{} ORDER BY id LIMIT $1",
+            failing_condition(failing_only)
         ));
         let rows = sqlx::query(&sql).bind(limit).fetch_all(pool).await?;
         Ok(rows.iter().map(|r| row_of(r, r.try_get(9)?)).collect::<Result<_, sqlx::Error>>()?)
@@ -412,9 +468,25 @@ impl OutboxStore for Sqlite {
         Ok(OutboxStats { pending, oldest_age_seconds, failing })
     }
 
-    async fn list(pool: &sqlx::SqlitePool, tables: &Tables, limit: i64) -> Result<Vec<OutboxMessage>, Error> {
+    async fn destinations(pool: &sqlx::SqlitePool, tables: &Tables) -> Result<Vec<DestinationStats>, Error> {
         let sql = tables.render(&format!(
-            "SELECT {COLUMNS}, ({SQLITE_NOW_MS} - enqueued_at) / 1000.0 FROM {{t}}outbox ORDER BY id LIMIT $1"
+            "SELECT destination, count(*), ({SQLITE_NOW_MS} - min(enqueued_at)) / 1000.0,
+                    count(*) FILTER (WHERE attempts > 0)
+               FROM {{t}}outbox GROUP BY destination ORDER BY count(*) DESC, destination"
+        ));
+        let rows = sqlx::query_as(&sql).fetch_all(pool).await?;
+        Ok(rows.into_iter().map(destination_of).collect())
+    }
+
+    async fn list(
+        pool: &sqlx::SqlitePool,
+        tables: &Tables,
+        failing_only: bool,
+        limit: i64,
+    ) -> Result<Vec<OutboxMessage>, Error> {
+        let sql = tables.render(&format!(
+            "SELECT {COLUMNS}, ({SQLITE_NOW_MS} - enqueued_at) / 1000.0 FROM {{t}}outbox{} ORDER BY id LIMIT $1",
+            failing_condition(failing_only)
         ));
         let rows = sqlx::query(&sql).bind(limit).fetch_all(pool).await?;
         Ok(rows.iter().map(|r| row_of(r, r.try_get(9)?)).collect::<Result<_, sqlx::Error>>()?)

@@ -14,6 +14,8 @@ use crate::error::Error;
 pub struct LetterQuery<'a> {
     /// Only this consumer group.
     pub group: Option<&'a str>,
+    /// Only the consumer groups that start with this (`outbox:`, a relay's).
+    pub group_prefix: Option<&'a str>,
     /// Only the letter with this id.
     pub id: Option<i64>,
     /// Only those of this failure group (the stored fingerprint, without a message type).
@@ -30,6 +32,7 @@ impl LetterQuery<'_> {
     /// Every dead letter.
     pub const ALL: LetterQuery<'static> = LetterQuery {
         group: None,
+        group_prefix: None,
         id: None,
         fingerprint: None,
         matching: None,
@@ -101,6 +104,8 @@ pub trait LetterPages: sqlx::Database + Sized {
 pub(crate) enum Bind<'a> {
     Text(&'a str),
     Int(i64),
+    /// A 32-bit integer (PostgreSQL's `substr` takes no `bigint`).
+    Int32(i32),
 }
 
 /// The statements of one store.
@@ -140,6 +145,11 @@ impl Statements {
         if let Some(group) = query.group {
             conditions.push("consumer_group = ?");
             binds.push(Bind::Text(group));
+        }
+        if let Some(prefix) = query.group_prefix {
+            conditions.push("substr(consumer_group, 1, ?) = ?");
+            binds.push(Bind::Int32(i32::try_from(prefix.chars().count()).unwrap_or(i32::MAX)));
+            binds.push(Bind::Text(prefix));
         }
         if let Some(id) = query.id {
             conditions.push("id = ?");
@@ -267,6 +277,7 @@ macro_rules! impl_letter_pages {
                     q = match bind {
                         Bind::Text(text) => q.bind(text),
                         Bind::Int(n) => q.bind(n),
+                        Bind::Int32(n) => q.bind(n),
                     };
                 }
                 Ok(q.fetch_all(pool).await?)
@@ -285,6 +296,7 @@ macro_rules! impl_letter_pages {
                     q = match bind {
                         Bind::Text(text) => q.bind(text),
                         Bind::Int(n) => q.bind(n),
+                        Bind::Int32(n) => q.bind(n),
                     };
                 }
                 Ok(q.fetch_one(pool).await?)
@@ -303,6 +315,7 @@ macro_rules! impl_letter_pages {
                     q = match bind {
                         Bind::Text(text) => q.bind(text),
                         Bind::Int(n) => q.bind(n),
+                        Bind::Int32(n) => q.bind(n),
                     };
                 }
                 Ok(q.fetch_all(pool).await?)
@@ -321,6 +334,7 @@ macro_rules! impl_letter_pages {
                     q = match bind {
                         Bind::Text(text) => q.bind(text),
                         Bind::Int(n) => q.bind(n),
+                        Bind::Int32(n) => q.bind(n),
                     };
                 }
                 let rows = q.fetch_all(pool).await?;

@@ -9,8 +9,8 @@ use sqlx::mysql::{MySql, MySqlConnection};
 use sqlx::{Connection, Row};
 
 use crate::error::Error;
-use crate::outbox::store::{NewRow, Wakeup, row_of};
-use crate::outbox::{OutboxConnection, OutboxMessage, OutboxStats, OutboxStore, SLOTS};
+use crate::outbox::store::{NewRow, Wakeup, destination_of, failing_condition, row_of};
+use crate::outbox::{DestinationStats, OutboxConnection, OutboxMessage, OutboxStats, OutboxStore, SLOTS};
 use crate::store::{Tables, encode_headers};
 
 impl OutboxConnection for MySqlConnection {
@@ -174,8 +174,24 @@ impl OutboxStore for MySql {
         Ok(OutboxStats { pending, oldest_age_seconds, failing })
     }
 
-    async fn list(pool: &sqlx::MySqlPool, tables: &Tables, limit: i64) -> Result<Vec<OutboxMessage>, Error> {
-        let sql = tables.render(&format!("{SELECT} FROM {{t}}outbox ORDER BY id LIMIT ?"));
+    async fn destinations(pool: &sqlx::MySqlPool, tables: &Tables) -> Result<Vec<DestinationStats>, Error> {
+        let sql = tables.render(
+            "SELECT CAST(destination AS CHAR), COUNT(*), TIMESTAMPDIFF(MICROSECOND, MIN(enqueued_at), UTC_TIMESTAMP(6)) / 1e6,
+                    COUNT(CASE WHEN attempts > 0 THEN 1 END)
+               FROM {t}outbox GROUP BY destination ORDER BY COUNT(*) DESC, destination",
+        );
+        let rows = sqlx::query_as(&sql).fetch_all(pool).await?;
+        Ok(rows.into_iter().map(destination_of).collect())
+    }
+
+    async fn list(
+        pool: &sqlx::MySqlPool,
+        tables: &Tables,
+        failing_only: bool,
+        limit: i64,
+    ) -> Result<Vec<OutboxMessage>, Error> {
+        let sql =
+            tables.render(&format!("{SELECT} FROM {{t}}outbox{} ORDER BY id LIMIT ?", failing_condition(failing_only)));
         let rows = sqlx::query(&sql).bind(limit).fetch_all(pool).await?;
         Ok(rows.iter().map(|r| row_of(r, r.try_get(9)?)).collect::<Result<_, sqlx::Error>>()?)
     }

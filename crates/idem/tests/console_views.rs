@@ -1,0 +1,157 @@
+//! The console's outbox, Sequential Inbox and markers views on PostgreSQL: what they show agrees with the
+//! database, their actions do what `idem outbox requeue` and `idem inbox release|close` do (a dry run first, then
+//! the action and its audit entry), a viewer cannot act, and an action with nothing to act on says so and touches
+//! nothing.
+
+mod common;
+
+use std::net::SocketAddr;
+
+use common::{TestPool, payment, pg};
+use idem::Tables;
+use idem::console::{ConsoleConfig, Role, Users};
+use idem::store::NewDeadLetter;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const OPERATOR: &str = "operator-token-of-alice";
+const VIEWER: &str = "viewer-token-of-bob";
+
+async fn api(addr: SocketAddr, method: &str, path: &str, token: &str, body: &str) -> (u16, Value) {
+    let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nAuthorization: Bearer {token}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(request.as_bytes()).await.expect("write");
+    let mut raw = Vec::new();
+    conn.read_to_end(&mut raw).await.expect("read");
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, serde_json::from_str(body).unwrap_or(Value::String(body.to_owned())))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outbox_inbox_and_markers_views_act_as_the_command_line_does() {
+    let db = pg().await;
+    let tables = Tables::default();
+    idem::migrate(&db.pool, &tables).await.unwrap();
+    let users = Users::new().with_token("alice", Role::Operator, OPERATOR).with_token("bob", Role::Viewer, VIEWER);
+    let addr = idem::console::serve(
+        "127.0.0.1:0".parse().unwrap(),
+        db.pool.clone(),
+        tables.clone(),
+        None::<idem::embedded::LogProducer>,
+        ConsoleConfig::new(users),
+    )
+    .await
+    .unwrap();
+
+    // The outbox: two destinations waiting, one row failing, two messages a relay gave up on.
+    db.pool
+        .exec(
+            "INSERT INTO outbox (event_id, destination, payload, headers, slot, attempts, last_error)
+             VALUES ('m1', 'emails', 'a', '[]', 1, 0, NULL), ('m2', 'emails', 'b', '[]', 1, 3, '503 busy'),
+                    ('m3', 'invoices', 'c', '[]', 2, 0, NULL)",
+        )
+        .await;
+    let mut conn = db.pool.acquire().await.unwrap();
+    for (offset, id) in [(10, "g1"), (11, "g2")] {
+        let message = payment(0, offset, id, 1, "");
+        let letter =
+            NewDeadLetter { event_id: Some(id), message: &message, error: "550 mailbox unavailable", attempts: 5 };
+        <sqlx::Postgres as idem::Store>::dead_letter(&mut conn, &tables, "outbox:mailer", &letter).await.unwrap();
+    }
+    drop(conn);
+    let (status, outbox) = api(addr, "GET", "/api/v1/outbox", VIEWER, "").await;
+    assert_eq!(status, 200, "{outbox}");
+    let destinations: Vec<(&str, i64, i64)> = outbox["destinations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| (d["destination"].as_str().unwrap(), d["pending"].as_i64().unwrap(), d["failing"].as_i64().unwrap()))
+        .collect();
+    assert_eq!(destinations, [("emails", 2, 1), ("invoices", 1, 0)]);
+    assert_eq!(outbox["failing"][0]["last_error"], "503 busy");
+    assert_eq!(outbox["dead_letters"]["total"], 2);
+    let (status, refused) = api(addr, "POST", "/api/v1/outbox/requeue", VIEWER, r#"{"all":true}"#).await;
+    assert_eq!(status, 403, "a viewer cannot requeue: {refused}");
+    let (status, nothing) = api(addr, "POST", "/api/v1/outbox/requeue", OPERATOR, "{}").await;
+    assert_eq!(status, 409, "nothing named: {nothing}");
+    let (status, stranger) = api(addr, "POST", "/api/v1/outbox/requeue", OPERATOR, r#"{"ids":[999]}"#).await;
+    assert!(status == 409 && stranger["error"].as_str().unwrap().contains("999"), "{stranger}");
+    let (_, dry) = api(addr, "POST", "/api/v1/outbox/requeue", OPERATOR, r#"{"all":true,"dry_run":true}"#).await;
+    assert_eq!((dry["chosen"].as_array().map(Vec::len), &dry["audit_id"]), (Some(2), &Value::Null), "{dry}");
+    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM outbox").await, 3, "a dry run moves nothing");
+    let (status, done) =
+        api(addr, "POST", "/api/v1/outbox/requeue", OPERATOR, r#"{"all":true,"relay":"mailer"}"#).await;
+    assert_eq!((status, done["requeued"].as_array().map(Vec::len)), (200, Some(2)), "{done}");
+    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM outbox").await, 5);
+    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM dead_letters").await, 0);
+    let audit = done["audit_id"].as_i64().expect("an audit entry");
+    let (_, trail) = api(addr, "GET", "/api/v1/audit?action=outbox%20requeue", VIEWER, "").await;
+    assert_eq!((trail["items"][0]["id"].as_i64(), trail["items"][0]["actor"].as_str()), (Some(audit), Some("alice")));
+
+    // The Sequential Inbox: an instance holding a message that waits for its predecessor.
+    db.pool
+        .exec(
+            "INSERT INTO sequence_instance (sequence_name, context_id, retain_until) VALUES ('order', 'o1', now() + interval '1 day');
+             INSERT INTO sequenced_message (sequence_instance_id, message_type, idempotence_id, status, topic, partition, \"offset\", headers)
+             SELECT id, 'OrderShipped', 'w1', 'WAITING', 'orders', 0, 7, '[]' FROM sequence_instance;",
+        )
+        .await;
+    let (status, stuck) = api(addr, "GET", "/api/v1/inbox?stuck=true", VIEWER, "").await;
+    assert_eq!(status, 200, "{stuck}");
+    let instance = &stuck["items"][0];
+    assert_eq!((instance["context_id"].as_str(), instance["waiting"].as_i64()), (Some("o1"), Some(1)), "{stuck}");
+    let id = instance["id"].as_i64().unwrap();
+    let (status, bad) = api(addr, "GET", "/api/v1/inbox?status=HALF", VIEWER, "").await;
+    assert!(status == 400 && bad["error"].as_str().unwrap().contains("OPEN or CLOSED"), "{bad}");
+    let (status, _) = api(addr, "POST", &format!("/api/v1/inbox/{id}/release"), VIEWER, "{}").await;
+    assert_eq!(status, 403);
+    let release = format!("/api/v1/inbox/{id}/release");
+    let (_, dry) = api(addr, "POST", &release, OPERATOR, r#"{"dry_run":true}"#).await;
+    assert_eq!((dry["released"].as_i64(), &dry["audit_id"]), (Some(1), &Value::Null), "{dry}");
+    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM sequenced_message WHERE force_release").await, 0);
+    let (status, done) = api(addr, "POST", &release, OPERATOR, "{}").await;
+    assert_eq!((status, done["released"].as_i64()), (200, Some(1)), "{done}");
+    assert!(done["audit_id"].as_i64().is_some());
+    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM sequenced_message WHERE force_release").await, 1);
+    let (status, again) = api(addr, "POST", &release, OPERATOR, "{}").await;
+    assert_eq!(status, 409, "released already, nothing to do: {again}");
+    let (status, _) =
+        api(addr, "POST", &format!("/api/v1/inbox/{id}/release"), OPERATOR, r#"{"message":424242}"#).await;
+    assert_eq!(status, 404);
+    let (status, closed) = api(addr, "POST", &format!("/api/v1/inbox/{id}/close"), OPERATOR, "{}").await;
+    assert_eq!((status, &closed["closed"]), (200, &Value::Bool(true)), "{closed}");
+    let (status, _) = api(addr, "POST", &format!("/api/v1/inbox/{id}/close"), OPERATOR, "{}").await;
+    assert_eq!(status, 409, "closed already");
+    let (_, shown) = api(addr, "GET", &format!("/api/v1/inbox/{id}"), VIEWER, "").await;
+    assert_eq!(
+        (shown["instance"]["status"].as_str(), shown["messages"][0]["force_release"].as_bool()),
+        (Some("CLOSED"), Some(true))
+    );
+    let (_, trail) = api(addr, "GET", "/api/v1/audit?actor=alice", VIEWER, "").await;
+    let actions: Vec<&str> = trail["items"].as_array().unwrap().iter().map(|e| e["action"].as_str().unwrap()).collect();
+    assert_eq!(actions, ["inbox close", "inbox release", "outbox requeue"]);
+
+    // The markers: per group, with a prune dry run that deletes nothing.
+    db.pool
+        .exec(
+            "INSERT INTO processed_events (consumer_group, event_id, topic, partition, \"offset\", processed_at)
+             SELECT 'ledger', 'e' || n, 'payments', 0, n, now() - make_interval(days => n) FROM generate_series(1, 10) n",
+        )
+        .await;
+    let (status, markers) = api(addr, "GET", "/api/v1/markers?retention=5d12h", VIEWER, "").await;
+    assert_eq!(status, 200, "{markers}");
+    assert_eq!(
+        (markers["groups"][0]["consumer_group"].as_str(), markers["groups"][0]["markers"].as_i64()),
+        (Some("ledger"), Some(10))
+    );
+    assert_eq!(markers["prune"]["would_delete"], 5, "days 6 to 10: {markers}");
+    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM processed_events").await, 10);
+    let (status, bad) = api(addr, "GET", "/api/v1/markers?retention=soon", VIEWER, "").await;
+    assert!(status == 400 && bad["error"].as_str().unwrap().starts_with("retention"), "{bad}");
+}
