@@ -61,6 +61,10 @@ struct ServeArgs {
     /// Show payloads (they may hold personal data).
     #[arg(long)]
     show_payloads: bool,
+    /// The console is reached through a reverse proxy (TLS): believe its `X-Forwarded-Host` (a form's origin is
+    /// checked against it) and `X-Forwarded-Proto` (over https, the session cookie is `Secure`).
+    #[arg(long)]
+    behind_proxy: bool,
     /// Where messages say their type, part of the failure groups: `header:NAME` or `json:/POINTER`.
     #[arg(long, env = "IDEM_MESSAGE_TYPE", value_name = "WHERE")]
     message_type: Option<String>,
@@ -89,6 +93,7 @@ pub async fn run(args: ConsoleArgs) -> anyhow::Result<ExitCode> {
     let users = users(serve.users.as_deref())?;
     let config = ConsoleConfig {
         show_payloads: serve.show_payloads,
+        behind_proxy: serve.behind_proxy,
         message_type: serve.message_type,
         ..ConsoleConfig::new(users)
     };
@@ -108,15 +113,7 @@ pub async fn run(args: ConsoleArgs) -> anyhow::Result<ExitCode> {
 /// `[console]`).
 pub fn users(file: Option<&std::path::Path>) -> anyhow::Result<Users> {
     if let Some(path) = file {
-        let text = std::fs::read_to_string(path).with_context(|| format!("--users {}", path.display()))?;
-        let users = Users::parse(&text).with_context(|| format!("--users {}", path.display()))?;
-        if users.is_empty() {
-            bail!(
-                "--users {}: the file names no user; add `NAME ROLE sha256:HEX` lines (idem console token NAME)",
-                path.display()
-            );
-        }
-        return Ok(users);
+        return Users::from_file(path).with_context(|| format!("--users {}", path.display()));
     }
     let mut users = Users::new();
     for (var, name, role) in

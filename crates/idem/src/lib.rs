@@ -102,6 +102,7 @@ pub mod inbox;
 pub use brokers::kafka;
 pub mod key;
 pub mod kill_switch;
+pub mod lag;
 pub mod message;
 #[cfg(feature = "nats")]
 pub use brokers::nats;

@@ -155,3 +155,80 @@ async fn outbox_inbox_and_markers_views_act_as_the_command_line_does() {
     let (status, bad) = api(addr, "GET", "/api/v1/markers?retention=soon", VIEWER, "").await;
     assert!(status == 400 && bad["error"].as_str().unwrap().starts_with("retention"), "{bad}");
 }
+
+/// One HTTP/1.1 exchange with these headers: the status and the raw head and body.
+async fn exchange(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+    let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    conn.write_all(request.as_bytes()).await.expect("write");
+    let mut raw = Vec::new();
+    conn.read_to_end(&mut raw).await.expect("read");
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let status = raw.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, raw)
+}
+
+fn cookie_of(raw: &str) -> Option<String> {
+    raw.lines().find_map(|l| l.strip_prefix("set-cookie: ")).map(|c| c.trim().to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_a_proxy_the_forwarded_host_is_the_origin_and_a_changed_users_file_is_followed() {
+    let db = pg().await;
+    let tables = Tables::default();
+    idem::migrate(&db.pool, &tables).await.unwrap();
+    let dir = std::env::temp_dir().join(common::unique_name("users"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("users.txt");
+    let line = |name: &str, role: &str, token: &str| {
+        format!("{name} {role} {}\n", idem::console::auth::token_line_hash(token))
+    };
+    std::fs::write(&file, line("alice", "operator", OPERATOR)).unwrap();
+    let users = Users::from_file(&file).unwrap();
+    let serve = |behind_proxy: bool| {
+        let config = ConsoleConfig { behind_proxy, ..ConsoleConfig::new(users.clone()) };
+        idem::console::serve(
+            "127.0.0.1:0".parse().unwrap(),
+            db.pool.clone(),
+            tables.clone(),
+            None::<idem::embedded::LogProducer>,
+            config,
+        )
+    };
+    let (proxied, direct) = (serve(true).await.unwrap(), serve(false).await.unwrap());
+    let form = [
+        ("Content-Type", "application/x-www-form-urlencoded"),
+        ("Origin", "https://console.example.com"),
+        ("X-Forwarded-Host", "console.example.com"),
+        ("X-Forwarded-Proto", "https"),
+    ];
+    let body = format!("token={OPERATOR}");
+    let (status, raw) = exchange(proxied, "POST", "/login", &form, &body).await;
+    assert_eq!(status, 303, "{raw}");
+    let cookie = cookie_of(&raw).expect("a session cookie");
+    assert!(cookie.contains("; Secure"), "over https through the proxy the cookie is Secure: {cookie}");
+    let (status, raw) = exchange(direct, "POST", "/login", &form, &body).await;
+    assert_eq!(status, 403, "without --behind-proxy the forwarded host is not believed: {raw}");
+    let plain = [("Content-Type", "application/x-www-form-urlencoded")];
+    let (_, raw) = exchange(direct, "POST", "/login", &plain, &body).await;
+    assert!(!cookie_of(&raw).expect("a cookie").contains("Secure"), "{raw}");
+
+    // The users file changes while the console runs: a new user signs in, a removed one's session ends.
+    let session = cookie.split(';').next().unwrap().to_owned();
+    let (status, _) = exchange(proxied, "GET", "/audit", &[("Cookie", &session)], "").await;
+    assert_eq!(status, 200);
+    std::fs::write(&file, line("bob", "viewer", VIEWER)).unwrap();
+    let later = std::time::SystemTime::now() + std::time::Duration::from_secs(2);
+    std::fs::File::options().append(true).open(&file).unwrap().set_modified(later).unwrap();
+    let (status, _) = api(direct, "GET", "/api/v1/whoami", VIEWER, "").await;
+    assert_eq!(status, 200, "bob was added");
+    let (status, _) = api(direct, "GET", "/api/v1/whoami", OPERATOR, "").await;
+    assert_eq!(status, 401, "alice was removed");
+    let (status, raw) = exchange(proxied, "GET", "/audit", &[("Cookie", &session)], "").await;
+    assert!(status == 303 && raw.contains("location: /login"), "alice's session ended: {raw}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -72,15 +72,26 @@ async fn consumer_lag_per_partition_follows_the_backlog() {
             while lag_of(&recorder.render(), &topic) != Some(0.0) && std::time::Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
+            let lag = idem::lag::of(&format!("lag-group-{nanos}"));
+            lag.into_iter().map(|l| (l.topic, l.partition, l.messages)).collect::<Vec<_>>()
         }
+    };
+    let (seen_by_console, finished) = {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        (rx, async move {
+            let _ = tx.send(finished.await);
+        })
     };
     let stats = engine.run(source, Slow, finished).await.unwrap();
     done.store(true, Ordering::SeqCst);
     let highest = watcher.await.unwrap();
+    let seen_by_console = seen_by_console.await.unwrap();
     assert_eq!(stats.processed, 80);
     assert!(highest >= 20.0, "the backlog showed: highest lag {highest}");
     let text = recorder.render();
     let line = text.lines().find(|l| l.starts_with("consumer_lag_messages{") && l.contains(&topic)).unwrap();
     assert!(line.contains("partition=\"0\"") && line.contains("consumer_group=\"lag-group-"), "{line}");
     assert_eq!(lag_of(&text, &topic), Some(0.0), "caught up: {line}");
+    assert_eq!(seen_by_console, [(topic.clone(), Some(0), 0)], "the console's consumers view reads the same figure");
+    assert!(idem::lag::of(&format!("lag-group-{nanos}")).is_empty(), "a partition given up has no lag any more");
 }

@@ -42,6 +42,9 @@ pub struct ConsoleSection {
     /// Show payloads (they may hold personal data). Default false.
     #[serde(default)]
     pub show_payloads: bool,
+    /// Behind a reverse proxy: its `X-Forwarded-Host` and `X-Forwarded-Proto` are believed. Default false.
+    #[serde(default)]
+    pub behind_proxy: bool,
     /// Where messages say their type: `header:NAME` or `json:/POINTER`.
     pub message_type: Option<Spanned<String>>,
 }

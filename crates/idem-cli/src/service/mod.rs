@@ -255,6 +255,7 @@ async fn serve_console<DB: ServiceDb>(
     let config = idem::console::ConsoleConfig {
         users: console.users.clone(),
         show_payloads: console.show_payloads,
+        behind_proxy: console.behind_proxy,
         message_type: console.message_type.clone(),
         consumers: idem::console::Consumers::of(engines),
         trials: idem::console::Trials(trials),

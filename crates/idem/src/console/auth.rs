@@ -6,8 +6,9 @@
 //! every form it serves carries the session's CSRF token, and a form posted without it is refused.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use sha2::Digest;
 
@@ -51,10 +52,28 @@ pub struct User {
     pub role: Role,
 }
 
-/// The console's users: each a name, a role and the SHA-256 of a token.
+/// The console's users: each a name, a role and the SHA-256 of a token. Read from a file
+/// ([`Users::from_file`]), they follow it: a change to the file is read at the next request, and a file that no
+/// longer reads (or names no user) is refused with a logged error, the users read before staying.
 #[derive(Debug, Clone, Default)]
 pub struct Users {
-    entries: Vec<(User, [u8; 32])>,
+    entries: Entries,
+    file: Option<Arc<UsersFile>>,
+}
+
+/// Each user with the SHA-256 of their token.
+type Entries = Vec<(User, [u8; 32])>;
+
+/// The file users come from, and what was last read from it.
+#[derive(Debug)]
+struct UsersFile {
+    path: PathBuf,
+    read: Mutex<(Option<SystemTime>, Entries)>,
+}
+
+/// When the file at `path` was last changed.
+fn modified(path: &Path) -> Option<SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
 impl Users {
@@ -69,7 +88,57 @@ impl Users {
         self
     }
 
-    /// Reads users from a file: a line per user, `NAME ROLE sha256:HEX` (the SHA-256 of the token in 64 hex
+    /// Reads users from the file at `path` (see [`Users::parse`]) and follows it: its changes are read at the next
+    /// request. A file that does not read, or names no user, is refused, naming the line.
+    pub fn from_file(path: &Path) -> Result<Users, Error> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Config(format!("console users file {}: {e}", path.display())))?;
+        let users = Users::parse(&text).map_err(|e| Error::Config(format!("{} ({})", e, path.display())))?;
+        if users.is_empty() {
+            return Err(Error::Config(format!(
+                "console users file {}: it names no user; add `NAME ROLE sha256:HEX` lines (idem console token NAME)",
+                path.display()
+            )));
+        }
+        let read = Mutex::new((modified(path), users.entries.clone()));
+        Ok(Users { entries: Vec::new(), file: Some(Arc::new(UsersFile { path: path.to_owned(), read })) })
+    }
+
+    /// The users now: the file's as last read (again, if it changed since), else those given.
+    fn current(&self) -> Entries {
+        let Some(file) = &self.file else { return self.entries.clone() };
+        let mut read = file.read.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = modified(&file.path);
+        if now != read.0 {
+            read.0 = now;
+            let fresh = std::fs::read_to_string(&file.path)
+                .map_err(|e| e.to_string())
+                .and_then(|text| Users::parse(&text).map_err(|e| e.to_string()))
+                .and_then(
+                    |users| {
+                        if users.is_empty() { Err("it names no user".to_owned()) } else { Ok(users.entries) }
+                    },
+                );
+            match fresh {
+                Ok(entries) => {
+                    tracing::info!(file = %file.path.display(), users = entries.len(), "console: users file read again");
+                    read.1 = entries;
+                }
+                Err(why) => tracing::error!(
+                    file = %file.path.display(),
+                    "console: the users file changed but is refused ({why}); the users read before stay: fix the file"
+                ),
+            }
+        }
+        read.1.clone()
+    }
+
+    /// The role user `name` has now, if they are still a user.
+    pub fn role_of(&self, name: &str) -> Option<Role> {
+        self.current().iter().find(|(user, _)| user.name == name).map(|(user, _)| user.role)
+    }
+
+    /// Reads users from a file's text: a line per user, `NAME ROLE sha256:HEX` (the SHA-256 of the token in 64 hex
     /// digits, as `idem console token` prints it); blank lines and lines starting with `#` are skipped. A line
     /// that does not read is refused with its number.
     pub fn parse(text: &str) -> Result<Users, Error> {
@@ -100,14 +169,14 @@ impl Users {
 
     /// Whether there is no user.
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.current().is_empty()
     }
 
     /// The user whose token this is. Every entry is compared, in constant time each, whether one matches or not.
     pub fn authenticate(&self, token: &str) -> Option<User> {
         let presented = digest(token.trim());
         let mut found = None;
-        for (user, hash) in &self.entries {
+        for (user, hash) in &self.current() {
             if constant_time_eq(hash, &presented) && found.is_none() {
                 found = Some(user.clone());
             }
@@ -226,6 +295,31 @@ mod tests {
         assert!(Users::parse(&twice).unwrap_err().to_string().contains("line 2"));
         let shared = format!("a viewer {}\nb operator {}", token_line_hash("x"), token_line_hash("x"));
         assert!(Users::parse(&shared).unwrap_err().to_string().contains("same token"));
+    }
+
+    #[test]
+    fn a_users_file_is_followed_and_a_bad_change_keeps_the_users_before() {
+        let path = std::env::temp_dir().join(format!("idem-users-{}-{}", std::process::id(), new_token()));
+        let write = |text: String| {
+            std::fs::write(&path, text).unwrap();
+            // The change must show in the file's time even on a coarse clock.
+            let later = SystemTime::now() + Duration::from_secs(2);
+            let file = std::fs::File::options().append(true).open(&path).unwrap();
+            file.set_modified(later).unwrap();
+        };
+        write(format!("alice operator {}\n", token_line_hash("a-token")));
+        let users = Users::from_file(&path).unwrap();
+        assert_eq!(users.authenticate("a-token").map(|u| u.role), Some(Role::Operator));
+        write(format!("alice viewer {}\nbob viewer {}\n", token_line_hash("a-token"), token_line_hash("b-token")));
+        assert_eq!(users.authenticate("b-token").map(|u| u.name), Some("bob".to_owned()), "a new user signs in");
+        assert_eq!(users.role_of("alice"), Some(Role::Viewer), "a role changed");
+        write("alice admin sha256:00\n".to_owned());
+        assert_eq!(users.role_of("bob"), Some(Role::Viewer), "a broken file keeps the users before");
+        write(format!("bob viewer {}\n", token_line_hash("b-token")));
+        assert_eq!((users.role_of("alice"), users.authenticate("a-token")), (None, None), "a user removed");
+        std::fs::write(&path, "").unwrap();
+        assert!(Users::from_file(&path).unwrap_err().to_string().contains("names no user"));
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]

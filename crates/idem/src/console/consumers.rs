@@ -16,6 +16,10 @@ pub trait ConsumerView: Send + Sync + 'static {
     fn stats(&self) -> StatsSnapshot;
     /// Closes a tripped kill switch on `actor`'s request (written to the audit trail); whether it was paused.
     fn resume_as(&self, actor: &str) -> bool;
+    /// How far behind it is, where its source tells ([`crate::lag`]).
+    fn lag(&self) -> Vec<crate::lag::Lag> {
+        crate::lag::of(&self.group())
+    }
 }
 
 impl<DB: Backend> ConsumerView for Engine<DB> {
@@ -67,7 +71,7 @@ impl Consumers {
                 serde_json::json!({
                     "group": c.group(), "ready": health.ready(), "running": health.running,
                     "draining": health.draining, "paused": health.paused, "partitions": health.partitions,
-                    "stalled": health.stalled, "stats": c.stats(),
+                    "stalled": health.stalled, "stats": c.stats(), "lag": c.lag(),
                 })
             })
             .collect();

@@ -53,6 +53,10 @@ pub struct ConsoleConfig {
     pub users: Users,
     /// Show payloads (they may hold personal data). Default: hidden.
     pub show_payloads: bool,
+    /// Reached through a reverse proxy: its `X-Forwarded-Host` is the console's host for a form's origin check,
+    /// and over `X-Forwarded-Proto: https` the session cookie is `Secure`. Without it, both headers are ignored
+    /// (anyone could send them). Default false.
+    pub behind_proxy: bool,
     /// Where messages say their type, part of the failure groups' fingerprints (`header:NAME` or
     /// `json:/POINTER`); the same setting as the command line's `--message-type`.
     pub message_type: Option<String>,
@@ -70,6 +74,7 @@ impl ConsoleConfig {
         ConsoleConfig {
             users,
             show_payloads: false,
+            behind_proxy: false,
             message_type: None,
             consumers: Consumers::default(),
             trials: Trials::default(),

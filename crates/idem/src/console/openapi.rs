@@ -334,7 +334,11 @@ pub fn document() -> Value {
                     "group": string(), "ready": { "type": "boolean" }, "running": { "type": "boolean" },
                     "draining": { "type": "boolean" }, "paused": { "type": "boolean" }, "partitions": { "type": "integer" },
                     "stalled": { "type": "array", "items": { "type": "object" } }, "stats": { "type": "object" },
-                }), &["group", "ready", "running", "draining", "paused", "partitions", "stalled", "stats"]),
+                    "lag": { "type": "array", "description": "Messages behind, where the source tells (Kafka per partition, JetStream per consumer).",
+                        "items": object(json!({
+                            "topic": string(), "partition": { "type": "integer", "nullable": true }, "messages": integer(), "at": string(),
+                        }), &["topic", "partition", "messages", "at"]) },
+                }), &["group", "ready", "running", "draining", "paused", "partitions", "stalled", "stats", "lag"]),
                 "EditRequest": {
                     "type": "object",
                     "properties": { "payload": string(), "dry_run": { "type": "boolean" }, "force": { "type": "boolean" } },

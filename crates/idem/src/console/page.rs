@@ -55,14 +55,21 @@ pub async fn stylesheet() -> Response {
 }
 
 impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
-    /// The session of the request's cookie.
+    /// The session of the request's cookie, its user's role as the users are now: a session of a user removed
+    /// from the users file ends.
     fn session(&self, headers: &HeaderMap) -> Option<(String, Session)> {
         let cookies = headers.get_all(header::COOKIE);
         for value in cookies.iter().filter_map(|v| v.to_str().ok()) {
             for pair in value.split(';') {
                 if let Some(id) = pair.trim().strip_prefix(&format!("{COOKIE}="))
-                    && let Some(session) = self.sessions.get(id)
+                    && let Some(mut session) = self.sessions.get(id)
                 {
+                    let Some(role) = self.config.users.role_of(&session.user.name) else {
+                        tracing::info!(user = %session.user.name, "console: a session of a user no longer in the users ended");
+                        self.sessions.close(id);
+                        return None;
+                    };
+                    session.user.role = role;
                     return Some((id.to_owned(), session));
                 }
             }
@@ -115,7 +122,7 @@ pub(crate) fn operator_form<DB: ConsoleStore, P: Publisher + 'static>(
     headers: &HeaderMap,
     form: &[(String, String)],
 ) -> Result<Session, super::api::Refusal> {
-    same_origin(headers).map_err(|why| (StatusCode::FORBIDDEN, why))?;
+    same_origin(headers, c.config.behind_proxy).map_err(|why| (StatusCode::FORBIDDEN, why))?;
     let (_, session) = c.session(headers).ok_or((StatusCode::UNAUTHORIZED, "sign in first: /login".to_owned()))?;
     if !csrf_ok(&session, field(form, "csrf").unwrap_or_default()) {
         let why = "this form has no valid CSRF token: reload the page and try again";
@@ -152,7 +159,7 @@ pub async fn login<DB: ConsoleStore, P: Publisher + 'static>(
     headers: HeaderMap,
     Form(form): Form<Vec<(String, String)>>,
 ) -> Response {
-    if let Err(why) = same_origin(&headers) {
+    if let Err(why) = same_origin(&headers, c.config.behind_proxy) {
         return failed(StatusCode::FORBIDDEN, &why);
     }
     let token = field(&form, "token").unwrap_or_default();
@@ -165,7 +172,9 @@ pub async fn login<DB: ConsoleStore, P: Publisher + 'static>(
     tracing::info!(user = %user.name, role = user.role.as_str(), "console: signed in");
     let id = c.sessions.open(user);
     let mut response = Redirect::to("/").into_response();
-    let cookie = format!("{COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/");
+    let https = c.config.behind_proxy && first_value(&headers, "x-forwarded-proto") == Some("https");
+    let secure = if https { "; Secure" } else { "" };
+    let cookie = format!("{COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/{secure}");
     if let Ok(value) = HeaderValue::from_str(&cookie) {
         response.headers_mut().insert(header::SET_COOKIE, value);
     }
@@ -192,11 +201,17 @@ pub async fn logout<DB: ConsoleStore, P: Publisher + 'static>(
 }
 
 /// A browser's form from another site is refused: its `Origin` (when sent) must be this console's host.
-fn same_origin(headers: &HeaderMap) -> Result<(), String> {
+/// The first value of header `name`, trimmed.
+fn first_value<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
+    headers.get(name).and_then(|v| v.to_str().ok()).and_then(|v| v.split(',').next()).map(str::trim)
+}
+
+fn same_origin(headers: &HeaderMap, behind_proxy: bool) -> Result<(), String> {
     let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) else {
         return Ok(());
     };
-    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or_default();
+    let forwarded = behind_proxy.then(|| first_value(headers, "x-forwarded-host")).flatten();
+    let host = forwarded.or_else(|| first_value(headers, "host")).unwrap_or_default();
     let origin_host = origin.split_once("://").map_or(origin, |(_, rest)| rest);
     if origin_host == host {
         Ok(())
@@ -703,7 +718,7 @@ pub async fn consumers<DB: ConsoleStore, P: Publisher + 'static>(
         return c.layout("Consumers", &session, body);
     }
     let mut body = String::from(
-        "<table id=\"consumers\"><tr><th>Consumer group</th><th>State</th><th>Partitions</th><th>Stalled</th><th>Processed</th><th>Duplicates</th><th>Dead-lettered</th><th>Parked</th><th></th></tr>",
+        "<table id=\"consumers\"><tr><th>Consumer group</th><th>State</th><th>Partitions</th><th>Lag</th><th>Stalled</th><th>Processed</th><th>Duplicates</th><th>Dead-lettered</th><th>Parked</th><th></th></tr>",
     );
     let csrf = esc(&session.csrf);
     for consumer in consumers {
@@ -719,6 +734,19 @@ pub async fn consumers<DB: ConsoleStore, P: Publisher + 'static>(
             .iter()
             .map(|s| format!("{}/{} ({} s, {} waiting)", esc(&s.topic), s.partition, s.seconds, s.waiting))
             .collect();
+        let lag = consumer.lag();
+        let lag = if lag.is_empty() {
+            "-".to_owned()
+        } else {
+            let parts: Vec<String> = lag
+                .iter()
+                .map(|l| match l.partition {
+                    Some(p) => format!("{}/{p}: {}", esc(&l.topic), l.messages),
+                    None => format!("{}: {}", esc(&l.topic), l.messages),
+                })
+                .collect();
+            format!("{} ({})", lag.iter().map(|l| l.messages).sum::<i64>(), parts.join(", "))
+        };
         let resume = if health.paused && session.user.role >= Role::Operator {
             format!(
                 r#"<form method="post" action="/consumers/{g}/resume"><input type="hidden" name="csrf" value="{csrf}"><button class="resume">Resume</button></form>"#,
@@ -729,7 +757,7 @@ pub async fn consumers<DB: ConsoleStore, P: Publisher + 'static>(
         };
         let _ = write!(
             body,
-            "<tr><td>{}</td><td>{state}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{resume}</td></tr>",
+            "<tr><td>{}</td><td>{state}</td><td>{}</td><td>{lag}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{resume}</td></tr>",
             esc(&group),
             health.partitions,
             if stalled.is_empty() { "-".to_owned() } else { stalled.join(", ") },

@@ -77,6 +77,8 @@ pub struct ConsolePlan {
     pub users: idem::console::Users,
     /// Show payloads.
     pub show_payloads: bool,
+    /// Behind a reverse proxy.
+    pub behind_proxy: bool,
     /// Where messages say their type.
     pub message_type: Option<String>,
 }
@@ -197,7 +199,7 @@ fn console_plan(problems: &mut Problems<'_>, section: &Spanned<super::file::Cons
         }
         None => None,
     };
-    Some(ConsolePlan { listen, users, show_payloads: c.show_payloads, message_type })
+    Some(ConsolePlan { listen, users, show_payloads: c.show_payloads, behind_proxy: c.behind_proxy, message_type })
 }
 
 fn expanded(problems: &mut Problems<'_>, value: &Spanned<String>, key: &str) -> Option<String> {

@@ -56,9 +56,7 @@ impl ClientContext for Context {
                 if partition < 0 || !owned || p.consumer_lag < 0 {
                     continue;
                 }
-                metrics::gauge!("consumer_lag_messages", "consumer_group" => self.0.group.clone(),
-                    "topic" => topic.clone(), "partition" => partition.to_string())
-                .set(p.consumer_lag as f64);
+                crate::lag::record(&self.0.group, topic, Some(partition), p.consumer_lag);
             }
         }
     }
@@ -72,6 +70,9 @@ impl ConsumerContext for Context {
                 let partitions = partitions_of(list);
                 let lost = consumer.assignment_lost();
                 tracing::info!(?partitions, lost, "kafka: partitions revoked; draining");
+                for p in &partitions {
+                    crate::lag::forget(&shared.group, &p.topic, p.partition);
+                }
                 // Messages of these partitions still queued for the engine are dropped from here on: they are
                 // unacknowledged, and the next owner gets them from the last commit.
                 lock(&shared.revoking).extend(partitions.iter().cloned());

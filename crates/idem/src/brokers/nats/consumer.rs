@@ -38,6 +38,8 @@ pub struct NatsSource {
     progress: tokio::task::JoinHandle<()>,
     /// The consumer's `max_deliver` (`-1` or `0`: no limit): a message on its last delivery is dead-lettered.
     max_deliver: i64,
+    /// The consumer group, under which the consumer's pending count is recorded ([`crate::lag`]).
+    group: String,
 }
 
 impl NatsSource {
@@ -129,6 +131,7 @@ impl NatsSource {
             in_hand,
             progress,
             max_deliver: existing.max_deliver,
+            group: engine.group.clone(),
         })
     }
 
@@ -150,6 +153,7 @@ impl NatsSource {
     fn to_message(&self, message: async_nats::jetstream::Message) -> Result<Message, SourceError> {
         let info = message.info().map_err(|e| SourceError::permanent("nats message", e))?;
         let (sequence, delivered) = (info.stream_sequence, info.delivered);
+        crate::lag::record(&self.group, &self.stream, None, i64::try_from(info.pending).unwrap_or(i64::MAX));
         let timestamp_ms = Some((info.published.unix_timestamp_nanos() / 1_000_000) as i64);
         if delivered > 1 {
             metrics::counter!("nats_redelivered_total", "stream" => self.stream.clone()).increment(1);
