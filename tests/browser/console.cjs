@@ -112,7 +112,7 @@ async function step(name, body) {
       const cookie = cookies.map((c) => `${c.name}=${c.value}`).join('; ');
       const response = await fetch(`${base}/actions/replay`, {
         method: 'POST',
-        headers: { cookie, 'content-type': 'application/x-www-form-urlencoded' },
+        headers: { cookie, origin: base, 'content-type': 'application/x-www-form-urlencoded' },
         body: 'all=true&confirm=yes',
       });
       assert.equal(response.status, 403);

@@ -65,7 +65,7 @@ pub enum AuditCommand {
         #[command(flatten)]
         db: DbArgs,
         /// At most this many.
-        #[arg(long, default_value_t = 100)]
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
         limit: i64,
         /// Only this actor's entries.
         #[arg(long)]

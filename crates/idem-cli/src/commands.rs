@@ -1,5 +1,6 @@
 //! The operator's commands: stats, pruning, the brokers replays and relays publish to, the marker layout (`idem migrate` is in `migrations`).
 
+use idem::prune::RETENTION_FLOOR;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -144,10 +145,6 @@ pub struct PruneOptions<'a> {
     /// Who prunes, for the audit trail.
     pub actor: String,
 }
-
-/// The shortest retention `idem prune` accepts without `--force`: below it, markers go while a broker can
-/// usually still redeliver, and a redelivery after that is applied twice.
-const RETENTION_FLOOR: std::time::Duration = std::time::Duration::from_secs(3_600);
 
 /// The shortest archive expiry `idem prune` accepts without `--force`: the archive is the record of what was
 /// discarded, by whom and why.

@@ -27,7 +27,7 @@ pub enum DeadLetterCommand {
         #[command(flatten)]
         select: Selection,
         /// At most this many.
-        #[arg(long, default_value_t = 100)]
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
         limit: i64,
         /// Print one JSON array instead of a table.
         #[arg(long)]
@@ -106,7 +106,7 @@ pub enum DeadLetterCommand {
         #[arg(long)]
         group: Option<String>,
         /// At most this many.
-        #[arg(long, default_value_t = 100)]
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
         limit: i64,
         /// Print one JSON array instead of a table.
         #[arg(long)]
@@ -208,6 +208,12 @@ async fn list(args: &DbArgs, filter: &Filter, limit: i64, json: bool) -> anyhow:
                 l.id, l.consumer_group, event_id, position, l.attempts, failed, l.error
             );
         }
+        if letters.len() as i64 == limit {
+            let total = with_pool!(&db, pool => filter.count(pool, &tables).await?);
+            if total > limit {
+                eprintln!("{limit} of {total} shown: raise --limit, or narrow with the filters");
+            }
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -262,7 +268,12 @@ async fn taken(
     subjects: String,
 ) -> anyhow::Result<Vec<DeadLetter>> {
     match with_pool!(db, pool => chosen.letters(pool, tables, verb).await?) {
-        Taken::Letters(letters) => Ok(letters),
+        Taken::Letters(letters, gone) => {
+            if !gone.is_empty() {
+                eprintln!("gone meanwhile (replayed since?), left out: {}", idem::dead_letter::selection::join(&gone));
+            }
+            Ok(letters)
+        }
         Taken::Refused(why) => {
             if !how.dry_run {
                 let action = format!("dead-letters {verb}");

@@ -26,7 +26,7 @@ pub enum InboxCommand {
         #[arg(long)]
         stuck: bool,
         /// At most this many.
-        #[arg(long, default_value_t = 100)]
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
         limit: i64,
         /// Print one JSON array instead of a table.
         #[arg(long)]

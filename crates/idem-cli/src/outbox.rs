@@ -54,7 +54,7 @@ pub enum OutboxCommand {
         #[command(flatten)]
         db: DbArgs,
         /// At most this many.
-        #[arg(long, default_value_t = 100)]
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
         limit: i64,
         /// Only the messages that failed at least once.
         #[arg(long)]
@@ -305,15 +305,29 @@ pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
             use idem::outbox::requeue::{RequeueError, Requeued, requeue};
             let (pool, tables) = Db::open_with(&db, "outbox").await?;
             let done = with_pool!(&pool, pool => requeue(pool, &tables, &ids, all, relay.as_deref(), false).await);
+            let join = idem::dead_letter::selection::join;
             let (done, outcome): (Requeued, anyhow::Result<()>) = match done {
                 Ok(done) => (done, Ok(())),
-                Err(RequeueError::Refused(why)) => bail!(why),
+                Err(RequeueError::Refused(why)) => {
+                    let named = match (all, relay.as_deref()) {
+                        (true, Some(r)) => format!("all of relay {r}"),
+                        (true, None) => "all".to_owned(),
+                        (false, _) if ids.is_empty() => "nothing named".to_owned(),
+                        (false, _) => format!("dead letters {}", join(&ids)),
+                    };
+                    let refused: anyhow::Result<()> = Err(anyhow::anyhow!("{why}"));
+                    crate::audit::note(&pool, &tables, &actor.name(), "outbox requeue", named, &refused, 0).await;
+                    bail!(why)
+                }
                 Err(RequeueError::Failed { done, error }) => (done, Err(error.into())),
             };
             for id in &done.requeued {
                 println!("requeued {id}");
             }
-            let subjects = format!("dead letters {:?}", done.chosen);
+            if !done.gone.is_empty() {
+                eprintln!("gone meanwhile (requeued since?), left out: {}", join(&done.gone));
+            }
+            let subjects = format!("dead letters {}", join(&done.chosen));
             let count = done.requeued.len() as i64;
             crate::audit::note(&pool, &tables, &actor.name(), "outbox requeue", subjects, &outcome, count).await;
             outcome?;

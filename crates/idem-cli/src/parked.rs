@@ -23,7 +23,7 @@ pub enum ParkedCommand {
         #[arg(long)]
         group: Option<String>,
         /// At most this many.
-        #[arg(long, default_value_t = 100)]
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
         limit: i64,
         /// Where messages say their type, part of the failure fingerprint: `header:NAME` or `json:/POINTER`.
         #[arg(long, env = "IDEM_MESSAGE_TYPE", value_name = "WHERE")]

@@ -87,6 +87,13 @@ impl ReplayRisk {
                  `idem dead-letters discard {} --reason TEXT`",
                 letter.id, letter.id
             ),
+            ReplayRisk::RelayLetter => format!(
+                "dead letter {} is a message outbox relay {:?} gave up on, not a consumer's: put it back into the \
+                 outbox with `idem outbox requeue {}` (or the console's outbox page)",
+                letter.id,
+                letter.consumer_group.trim_start_matches("outbox:"),
+                letter.id
+            ),
             ReplayRisk::AppliedSince => format!(
                 "dead letter {}'s event {:?} was applied by consumer group {:?} after it failed at {failed} (its \
                  marker is newer): a replay would apply it twice. Discard it with `idem dead-letters discard {} \
@@ -108,8 +115,8 @@ pub async fn replay<DB: Backend, P: Publisher>(
     letter: &DeadLetter,
     safety: Safety,
 ) -> Result<Replayed, Error> {
-    if reused_id(letter) {
-        return Ok(Replayed::Refused(ReplayRisk::IdReused));
+    if let Some(risk) = unreplayable(letter) {
+        return Ok(Replayed::Refused(risk));
     }
     let replayed = publish_copy(pool, tables, publisher, letter, None, safety).await?;
     if replayed == Replayed::Published {
@@ -138,7 +145,13 @@ async fn publish_copy<DB: Backend, P: Publisher>(
     }
     copy.headers.retain(|(name, _)| name != REPLAY_FOR_HEADER);
     copy.headers.push((REPLAY_FOR_HEADER.to_owned(), letter.consumer_group.clone().into_bytes()));
-    publisher.publish(&copy).await?;
+    if let Err(error) = publisher.publish(&copy).await {
+        // Not published: the letter is dead again at once, rather than held as a replay for a minute.
+        if let Err(abandon) = DB::abandon_replay(pool, tables, letter.id).await {
+            tracing::warn!(id = letter.id, error = %abandon, "a failed replay's letter stays held until its lease ends");
+        }
+        return Err(error.into());
+    }
     DB::finish_replay(pool, tables, letter.id).await?;
     Ok(Replayed::Published)
 }
@@ -188,8 +201,8 @@ pub async fn check_replay<DB: Backend>(
     letter: &DeadLetter,
     safety: Safety,
 ) -> Result<Replayed, Error> {
-    if reused_id(letter) {
-        return Ok(Replayed::Refused(ReplayRisk::IdReused));
+    if let Some(risk) = unreplayable(letter) {
+        return Ok(Replayed::Refused(risk));
     }
     let start = DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, true).await?;
     Ok(not_started(start).unwrap_or(Replayed::Published))
@@ -264,6 +277,7 @@ impl ReplayRisk {
             ReplayRisk::MarkersPruned => "markers_pruned",
             ReplayRisk::AppliedSince => "applied_since",
             ReplayRisk::IdReused => "id_reused",
+            ReplayRisk::RelayLetter => "relay_letter",
         }
     }
 }
@@ -318,9 +332,16 @@ pub async fn check_each<DB: Backend>(
     tally
 }
 
-/// An id-reuse dead letter cannot be replayed under its id.
-fn reused_id(letter: &DeadLetter) -> bool {
-    letter.error.starts_with(ID_REUSED_PREFIX)
+/// Why `letter` is never replayed, whatever the database says: an id-reuse letter cannot be replayed under its id,
+/// and a relay's letter goes back into the outbox instead.
+fn unreplayable(letter: &DeadLetter) -> Option<ReplayRisk> {
+    if letter.consumer_group.starts_with("outbox:") {
+        Some(ReplayRisk::RelayLetter)
+    } else if letter.error.starts_with(ID_REUSED_PREFIX) {
+        Some(ReplayRisk::IdReused)
+    } else {
+        None
+    }
 }
 
 /// The longest discard reason, in characters.
@@ -330,7 +351,7 @@ pub const MAX_REASON: usize = 1_000;
 /// [`MAX_REASON`] characters (it is kept in the archive and the audit trail, and printed on terminals).
 pub fn check_reason(reason: &str) -> Result<(), String> {
     if reason.trim().is_empty() {
-        return Err("a discard needs a reason (--reason TEXT): the archive keeps it".into());
+        return Err("a discard needs a reason, which the archive keeps".into());
     }
     let length = reason.chars().count();
     if length > MAX_REASON {

@@ -67,19 +67,19 @@ pub trait Probe: Clone + Send + Sync + 'static {
 impl<DB: Backend> Probe for Engine<DB> {
     async fn readiness(&self) -> Readiness {
         let health = self.health();
+        // Each reason names the consumer group: a process may run several.
+        let not = |why: &str| Readiness::not(&format!("consumer group {}: {why}", self.config().group));
         if !self.database_reachable().await {
-            return Readiness::not("database unreachable");
+            return not("database unreachable");
         }
         if !health.running {
-            return Readiness::not("not consuming");
+            return not("not consuming");
         }
         if health.draining {
-            return Readiness::not("draining");
+            return not("draining");
         }
         if health.paused {
-            return Readiness::not(
-                "paused: the kill switch tripped (see the consumer's log); POST /resume to try again now",
-            );
+            return not("paused: the kill switch tripped (see the consumer's log); POST /resume to try again now");
         }
         Readiness { stalled: health.stalled, ..Readiness::ready(Some(health.partitions)) }
     }

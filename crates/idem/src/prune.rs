@@ -9,6 +9,10 @@ use crate::config::Pruning;
 use crate::error::Error;
 use crate::store::{Backend, Tables};
 
+/// The shortest retention an operator's prune takes without being forced: below it, markers go while a broker can
+/// still redeliver their events (`idem prune` refuses it without `--force`; the console's dry run says so).
+pub const RETENTION_FLOOR: Duration = Duration::from_secs(3_600);
+
 /// What one pruning pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct PruneReport {

@@ -75,22 +75,22 @@ async fn api(addr: SocketAddr, method: &str, path: &str, token: &str, body: &str
     http(addr, method, path, &[("Authorization", &auth), ("Content-Type", "application/json")], body).await
 }
 
+/// A form posted as the console's own page posts it (its `Origin`), unless `extra` gives another.
 async fn form(addr: SocketAddr, path: &str, cookie: &str, body: &str, extra: &[(&str, &str)]) -> Response {
+    let own = format!("http://{addr}");
     let mut headers = vec![("Cookie", cookie), ("Content-Type", "application/x-www-form-urlencoded")];
+    if !extra.iter().any(|(name, _)| *name == "Origin") {
+        headers.push(("Origin", &own));
+    }
     headers.extend_from_slice(extra);
     http(addr, "POST", path, &headers, body).await
 }
 
 /// Signs in with `token`: the session cookie and the CSRF token of its forms.
 async fn sign_in(addr: SocketAddr, token: &str) -> (String, String) {
-    let login = http(
-        addr,
-        "POST",
-        "/login",
-        &[("Content-Type", "application/x-www-form-urlencoded")],
-        &format!("token={token}"),
-    )
-    .await;
+    let own = format!("http://{addr}");
+    let headers = [("Content-Type", "application/x-www-form-urlencoded"), ("Origin", own.as_str())];
+    let login = http(addr, "POST", "/login", &headers, &format!("token={token}")).await;
     assert_eq!(login.status, 303, "{}", login.body);
     let cookie = login.header("set-cookie").expect("a session cookie");
     assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict"), "{cookie}");
@@ -246,6 +246,14 @@ async fn the_console_acts_as_the_command_line_does_and_only_for_operators() {
     assert_eq!(nobody["items"].as_array().map(Vec::len), Some(0), "{nobody}");
     let replays = api(addr, "GET", "/api/v1/audit?action=dead-letters%20replay", VIEWER, "").await.json();
     assert!(replays["items"].as_array().is_some_and(|e| e.iter().all(|e| e["action"] == "dead-letters replay")));
+    for path in ["/api/v1/dead-letters?grop=ledger", "/api/v1/audit?actr=alice", "/api/v1/failure-groups?limit=3"] {
+        let typo = api(addr, "GET", path, VIEWER, "").await;
+        assert!(
+            typo.status == 400 && typo.body.contains("is not a parameter") || typo.body.contains("unknown field"),
+            "{path}: {}",
+            typo.body
+        );
+    }
     let inbox = api(addr, "GET", "/api/v1/inbox", VIEWER, "").await;
     assert!(inbox.status == 404 && inbox.body.contains("runs on PostgreSQL"), "{}", inbox.body);
     for path in ["/api/v1/audit?limit=0", "/api/v1/dead-letters?limit=501", "/api/v1/parked?limit=-1"] {
@@ -261,9 +269,11 @@ async fn the_console_acts_as_the_command_line_does_and_only_for_operators() {
         assert!(page.header(header).is_some(), "{header} on every response");
     }
     assert!(!page.header("content-security-policy").unwrap().contains("unsafe-inline"));
-    let wrong =
-        http(addr, "POST", "/login", &[("Content-Type", "application/x-www-form-urlencoded")], "token=guess").await;
+    let wrong = form(addr, "/login", "", "token=guess", &[]).await;
     assert_eq!(wrong.status, 401);
+    let no_origin =
+        http(addr, "POST", "/login", &[("Content-Type", "application/x-www-form-urlencoded")], "token=guess").await;
+    assert!(no_origin.status == 403 && no_origin.body.contains("Origin"), "{}", no_origin.body);
     producer.send("payments", None, br#"{"id":"p-10","account":13}"#, &[]).unwrap();
     producer.flush().unwrap();
     ledger.refuse_13.store(true, Ordering::SeqCst);

@@ -79,15 +79,33 @@ async fn outbox_inbox_and_markers_views_act_as_the_command_line_does() {
     let (status, refused) = api(addr, "POST", "/api/v1/outbox/requeue", VIEWER, r#"{"all":true}"#).await;
     assert_eq!(status, 403, "a viewer cannot requeue: {refused}");
     let (status, nothing) = api(addr, "POST", "/api/v1/outbox/requeue", OPERATOR, "{}").await;
-    assert_eq!(status, 409, "nothing named: {nothing}");
+    assert_eq!(status, 400, "nothing named: {nothing}");
     let (status, stranger) = api(addr, "POST", "/api/v1/outbox/requeue", OPERATOR, r#"{"ids":[999]}"#).await;
     assert!(status == 409 && stranger["error"].as_str().unwrap().contains("999"), "{stranger}");
     let (_, dry) = api(addr, "POST", "/api/v1/outbox/requeue", OPERATOR, r#"{"all":true,"dry_run":true}"#).await;
     assert_eq!((dry["chosen"].as_array().map(Vec::len), &dry["audit_id"]), (Some(2), &Value::Null), "{dry}");
     assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM outbox").await, 3, "a dry run moves nothing");
+    // A relay's letter is never replayed to a consumer: it goes back into the outbox.
+    let first = outbox["dead_letters"]["items"][0]["id"].as_i64().unwrap();
+    let (status, replay) =
+        api(addr, "POST", "/api/v1/dead-letters/replay", OPERATOR, &format!(r#"{{"ids":[{first}],"dry_run":true}}"#))
+            .await;
+    assert_eq!((status, replay["refused"][0]["risk"].as_str()), (200, Some("relay_letter")), "{replay}");
+    assert!(replay["refused"][0]["why"].as_str().unwrap().contains("idem outbox requeue"), "{replay}");
+    // One named letter gone meanwhile does not stop the others.
+    let (status, one) =
+        api(addr, "POST", "/api/v1/outbox/requeue", OPERATOR, &format!(r#"{{"ids":[{first},999999]}}"#)).await;
+    assert_eq!(
+        (status, &one["requeued"], &one["gone"]),
+        (200, &serde_json::json!([first]), &serde_json::json!([999999])),
+        "{one}"
+    );
+    let (status, gone) =
+        api(addr, "POST", "/api/v1/outbox/requeue", OPERATOR, &format!(r#"{{"ids":[{first}]}}"#)).await;
+    assert!(status == 409 && gone["error"].as_str().unwrap().contains("any more"), "{gone}");
     let (status, done) =
         api(addr, "POST", "/api/v1/outbox/requeue", OPERATOR, r#"{"all":true,"relay":"mailer"}"#).await;
-    assert_eq!((status, done["requeued"].as_array().map(Vec::len)), (200, Some(2)), "{done}");
+    assert_eq!((status, done["requeued"].as_array().map(Vec::len)), (200, Some(1)), "{done}");
     assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM outbox").await, 5);
     assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM dead_letters").await, 0);
     let audit = done["audit_id"].as_i64().expect("an audit entry");
@@ -135,7 +153,22 @@ async fn outbox_inbox_and_markers_views_act_as_the_command_line_does() {
     );
     let (_, trail) = api(addr, "GET", "/api/v1/audit?actor=alice", VIEWER, "").await;
     let actions: Vec<&str> = trail["items"].as_array().unwrap().iter().map(|e| e["action"].as_str().unwrap()).collect();
-    assert_eq!(actions, ["inbox close", "inbox release", "outbox requeue"]);
+    assert_eq!(
+        actions,
+        [
+            "inbox close",
+            "inbox close",
+            "inbox release",
+            "inbox release",
+            "inbox release",
+            "outbox requeue",
+            "outbox requeue",
+            "outbox requeue",
+            "outbox requeue",
+            "outbox requeue"
+        ],
+        "refused actions are in the trail too"
+    );
 
     // The markers: per group, with a prune dry run that deletes nothing.
     db.pool
@@ -213,7 +246,8 @@ async fn behind_a_proxy_the_forwarded_host_is_the_origin_and_a_changed_users_fil
     assert!(cookie.contains("; Secure"), "over https through the proxy the cookie is Secure: {cookie}");
     let (status, raw) = exchange(direct, "POST", "/login", &form, &body).await;
     assert_eq!(status, 403, "without --behind-proxy the forwarded host is not believed: {raw}");
-    let plain = [("Content-Type", "application/x-www-form-urlencoded")];
+    let own = format!("http://{direct}");
+    let plain = [("Content-Type", "application/x-www-form-urlencoded"), ("Origin", own.as_str())];
     let (_, raw) = exchange(direct, "POST", "/login", &plain, &body).await;
     assert!(!cookie_of(&raw).expect("a cookie").contains("Secure"), "{raw}");
 

@@ -58,7 +58,7 @@ async fn the_endpoint_answers_get_head_and_not_ready_with_a_reason() {
     assert!(headers.iter().any(|(n, v)| n == "content-type" && v == "application/json"), "{headers:?}");
     let readiness: serde_json::Value = serde_json::from_str(&body).expect("json");
     assert_eq!(readiness["ready"], false);
-    assert_eq!(readiness["reason"], "not consuming");
+    assert!(readiness["reason"].as_str().is_some_and(|r| r.ends_with(": not consuming")), "{readiness}");
 
     let (status, headers, _) = exchange(&mut conn, "GET", "/metrics").await;
     assert_eq!(status, 200);

@@ -39,6 +39,23 @@ fn error_response(why: &str) -> Response {
     error(StatusCode::SERVICE_UNAVAILABLE, why)
 }
 
+/// The filters' parameter names.
+const FILTER_PARAMETERS: [&str; 5] = ["group", "matching", "fingerprint", "older_than", "message_type"];
+
+/// Refuses a query string naming a parameter not in `known` (a misspelt filter would otherwise widen the list).
+pub(crate) fn known_parameters(uri: &axum::http::Uri, known: &[&str]) -> Result<(), Refusal> {
+    for pair in uri.query().unwrap_or_default().split('&').filter(|p| !p.is_empty()) {
+        let name = pair.split_once('=').map_or(pair, |(name, _)| name);
+        if !known.contains(&name) {
+            return Err((
+                StatusCode::BAD_REQUEST,
+                format!("the query: `{name}` is not a parameter here; use {}", known.join(", ")),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A query string checked: the parameter that does not read is named.
 pub(crate) fn query<T>(query: Result<Query<T>, QueryRejection>) -> Result<T, Refusal> {
     query.map(|Query(q)| q).map_err(|e| (StatusCode::BAD_REQUEST, format!("the query: {}", e.body_text())))
@@ -182,11 +199,22 @@ impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
         }
         let forced = if request.force && verb == "replay" { ", forced" } else { "" };
         let with_reason = if verb == "discard" { format!(", reason: {reason}") } else { String::new() };
+        if request.ids.is_empty() && !request.all && !filter.narrows() {
+            let why = format!(
+                "name the dead letters to {verb}: `ids`, or `all: true`, or a filter (`matching`, `fingerprint`, \
+                 `older_than`)"
+            );
+            if !request.dry_run {
+                let subjects = format!("{}{forced}{with_reason}", chosen.subjects(&[]));
+                self.audit(user, audit_action, subjects, 0, &Err(why.clone())).await;
+            }
+            return Err((StatusCode::BAD_REQUEST, why));
+        }
         let taken = chosen.letters(&self.pool, &self.tables, verb).await.map_err(|e| {
             (StatusCode::SERVICE_UNAVAILABLE, format!("the database did not answer: {e}; nothing was done"))
         })?;
-        let letters = match taken {
-            Taken::Letters(letters) => letters,
+        let (letters, gone) = match taken {
+            Taken::Letters(letters, gone) => (letters, gone),
             Taken::Refused(why) => {
                 if !request.dry_run {
                     let subjects = format!("{}{forced}{with_reason}", chosen.subjects(&[]));
@@ -200,17 +228,20 @@ impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
         let safety = if request.force { Safety::Forced } else { Safety::Checked };
         match (verb, request.dry_run, &self.publisher) {
             ("replay", true, _) => {
-                let tally = crate::dead_letter::check_each(&self.pool, &self.tables, &letters, safety, |_, _| {}).await;
+                let mut tally =
+                    crate::dead_letter::check_each(&self.pool, &self.tables, &letters, safety, |_, _| {}).await;
+                tally.gone.extend(gone);
                 Ok((Acted::Replayed(tally), None))
             }
             ("replay", false, Some(publisher)) => {
-                let tally =
+                let mut tally =
                     crate::dead_letter::replay_each(&self.pool, &self.tables, publisher, &letters, safety, |_, _| {})
                         .await;
+                tally.gone.extend(gone);
                 let entry = self.audit(user, audit_action, subjects, tally.replayed.len(), &tally.outcome()).await;
                 Ok((Acted::Replayed(tally), entry))
             }
-            (_, true, _) => Ok((Acted::Discarded { ids, left: Vec::new() }, None)),
+            (_, true, _) => Ok((Acted::Discarded { ids, left: gone }, None)),
             _ => {
                 let discarded =
                     crate::dead_letter::discard(&self.pool, &self.tables, &letters, &user.name, reason).await;
@@ -218,7 +249,7 @@ impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
                 let count = discarded.as_ref().map_or(0, Vec::len);
                 let entry = self.audit(user, audit_action, subjects, count, &outcome).await;
                 let discarded = discarded.map_err(|e| (StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;
-                let left = ids.into_iter().filter(|id| !discarded.contains(id)).collect();
+                let left = ids.into_iter().filter(|id| !discarded.contains(id)).chain(gone).collect();
                 Ok((Acted::Discarded { ids: discarded, left }, entry))
             }
         }
@@ -259,9 +290,13 @@ pub async fn whoami<DB: ConsoleStore, P: Publisher + 'static>(
 pub async fn failure_groups<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
+    uri: axum::http::Uri,
     spec: Result<Query<FilterSpec>, QueryRejection>,
 ) -> Response {
     if let Err((status, why)) = c.api_user(&headers, Role::Viewer) {
+        return error(status, &why);
+    }
+    if let Err((status, why)) = known_parameters(&uri, &FILTER_PARAMETERS) {
         return error(status, &why);
     }
     let filter = match query(spec).and_then(|spec| c.filter(spec)) {
@@ -325,9 +360,14 @@ pub(crate) fn limit_of(limit: Option<i64>, default: i64, most: i64) -> Result<i6
 pub async fn dead_letters<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
+    uri: axum::http::Uri,
     page: Result<Query<Page>, QueryRejection>,
 ) -> Response {
     if let Err((status, why)) = c.api_user(&headers, Role::Viewer) {
+        return error(status, &why);
+    }
+    let known: Vec<&str> = FILTER_PARAMETERS.iter().copied().chain(["after", "limit"]).collect();
+    if let Err((status, why)) = known_parameters(&uri, &known) {
         return error(status, &why);
     }
     let page = match query(page) {
@@ -420,7 +460,7 @@ async fn act_api<DB: ConsoleStore, P: Publisher + 'static>(
 
 /// The query of `parked`.
 #[derive(Debug, Default, serde::Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct Listing {
     /// Only this consumer group.
     pub group: Option<String>,
@@ -430,7 +470,7 @@ pub struct Listing {
 
 /// The query of `audit`: filters, and where the page starts.
 #[derive(Debug, Default, serde::Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct AuditPage {
     /// Only this actor's entries.
     pub actor: Option<String>,

@@ -20,7 +20,7 @@ use crate::source::Publisher;
 
 /// The query of the instance list.
 #[derive(Debug, Default, serde::Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct InstanceQuery {
     /// Only this sequence's instances.
     pub sequence: Option<String>,
@@ -75,9 +75,32 @@ impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
             .ok_or_else(|| (StatusCode::NOT_FOUND, format!("no sequence instance has id {id}")))
     }
 
-    /// Closes instance `id` (or says what closing would leave), writing the audit entry: whether it closed, how
-    /// many WAITING messages it holds, and the entry.
+    /// Writes a refused action to the audit trail (unless a dry run) and hands the refusal on.
+    async fn refused<T>(
+        &self,
+        user: &User,
+        action: &str,
+        subjects: String,
+        dry_run: bool,
+        done: Result<T, Refusal>,
+    ) -> Result<T, Refusal> {
+        // A database that failed is no refusal: the action recorded its own failure, or could not be recorded.
+        if let (Err((status, why)), false) = (&done, dry_run)
+            && *status != StatusCode::SERVICE_UNAVAILABLE
+        {
+            self.audit(user, action, subjects, 0, &Err(why.clone())).await;
+        }
+        done
+    }
+
+    /// Closes instance `id` (or says what closing would leave), writing the audit entry (a refusal's too): whether
+    /// it closed, how many WAITING messages it holds, and the entry.
     async fn close_instance(&self, user: &User, id: i64, dry_run: bool) -> Result<(bool, i64, Option<i64>), Refusal> {
+        let done = self.try_close(user, id, dry_run).await;
+        self.refused(user, "inbox close", format!("instance {id}"), dry_run, done).await
+    }
+
+    async fn try_close(&self, user: &User, id: i64, dry_run: bool) -> Result<(bool, i64, Option<i64>), Refusal> {
         let (summary, _) = self.instance(id).await?;
         if summary.status != "OPEN" {
             return Err((StatusCode::CONFLICT, format!("instance {id} is already closed: nothing to do")));
@@ -94,8 +117,23 @@ impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
     }
 
     /// Releases instance `id`'s WAITING and FAILED messages (or only `message`), or says how many it would,
-    /// writing the audit entry: how many, and the entry.
+    /// writing the audit entry (a refusal's too): how many, and the entry.
     async fn release_instance(
+        &self,
+        user: &User,
+        id: i64,
+        message: Option<i64>,
+        dry_run: bool,
+    ) -> Result<(u64, Option<i64>), Refusal> {
+        let done = self.try_release(user, id, message, dry_run).await;
+        let subjects = match message {
+            Some(m) => format!("instance {id}, message {m}"),
+            None => format!("instance {id}"),
+        };
+        self.refused(user, "inbox release", subjects, dry_run, done).await
+    }
+
+    async fn try_release(
         &self,
         user: &User,
         id: i64,
@@ -113,7 +151,16 @@ impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
         };
         let would = messages.iter().filter(held).count() as u64;
         if would == 0 {
-            return Err((StatusCode::CONFLICT, format!("instance {id} holds no WAITING or FAILED message to release")));
+            let released = messages.iter().filter(|s| message.is_none_or(|m| s.id == m)).any(|s| s.force_release);
+            let why = if released {
+                format!(
+                    "instance {id}'s held messages were released already: they wait for the consumer's next \
+                     housekeeping pass (see the audit trail for who released them)"
+                )
+            } else {
+                format!("instance {id} holds no WAITING or FAILED message to release")
+            };
+            return Err((StatusCode::CONFLICT, why));
         }
         if dry_run {
             return Ok((would, None));

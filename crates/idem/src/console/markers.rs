@@ -22,7 +22,7 @@ pub const DEFAULT_RETENTION: &str = "7d";
 
 /// The query of the markers view.
 #[derive(Debug, Default, serde::Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct MarkersQuery {
     /// The retention of the prune dry run (`7d`, `36h`; default 7d).
     pub retention: Option<String>,
@@ -46,6 +46,8 @@ pub struct PruneDryRun {
     pub would_delete: i64,
     /// The command that prunes them.
     pub command: String,
+    /// Why that retention is dangerous, when it is (below an hour: `idem prune` needs `--force`).
+    pub warning: Option<String>,
 }
 
 async fn figures<DB: ConsoleStore, P: Publisher + 'static>(
@@ -64,8 +66,17 @@ async fn figures<DB: ConsoleStore, P: Publisher + 'static>(
         |e: crate::Error| (StatusCode::SERVICE_UNAVAILABLE, format!("the database did not answer: {e}; try again"));
     let groups = crate::store::stats(&c.pool, &c.tables, None).await.map_err(unavailable)?;
     let would_delete = DB::count_expired(&c.pool, &c.tables, None, age).await.map_err(unavailable)?;
-    let command = format!("idem prune --retention {retention}");
-    Ok(Markers { groups, prune: PruneDryRun { retention: retention.to_owned(), would_delete, command } })
+    let short = age < crate::prune::RETENTION_FLOOR;
+    let command = format!("idem prune --retention {retention}{}", if short { " --force" } else { "" });
+    let warning = short.then(|| {
+        format!(
+            "a retention of {retention} is below an hour: markers would go while the broker can still redeliver their \
+             events, which would then be applied twice; keep at least the broker's retention (`idem prune` refuses it \
+             without --force)"
+        )
+    });
+    let prune = PruneDryRun { retention: retention.to_owned(), would_delete, command, warning };
+    Ok(Markers { groups, prune })
 }
 
 /// `GET /api/v1/markers`.
@@ -124,6 +135,9 @@ pub async fn page<DB: ConsoleStore, P: Publisher + 'static>(
         prune.would_delete,
         esc(&prune.command),
     );
+    if let Some(warning) = &prune.warning {
+        let _ = write!(body, r#"<p class="error" id="prune-warning">{}</p>"#, esc(warning));
+    }
     c.layout("Markers", &session, &body)
 }
 

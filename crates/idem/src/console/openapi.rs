@@ -228,8 +228,11 @@ pub fn document() -> Value {
             ) },
             "/api/v1/consumers/{group}/resume": { "post": resume() },
             "/api/v1/outbox": { "get": operation(
-                "Each destination's backlog, the waiting rows that failed, the relays' dead letters.",
-                vec![],
+                "Each destination's backlog, the waiting rows that failed, the relays' dead letters a page at a time.",
+                vec![
+                    query("after", "Only relay dead letters with a larger id: the previous page's next_after.", integer()),
+                    query("limit", "At most this many relay dead letters (1 to 500, default 50; out of range is refused).", integer()),
+                ],
                 answer("The backlog.", reference("Outbox")),
                 &[],
             ) },
@@ -319,7 +322,7 @@ pub fn document() -> Value {
                 "ReplayResult": object(json!({
                     "dry_run": { "type": "boolean" }, "replayed": ids(), "would_replay": ids(), "gone": ids(),
                     "refused": { "type": "array", "items": object(json!({
-                        "id": integer(), "risk": { "type": "string", "enum": ["markers_pruned", "applied_since", "id_reused"] }, "why": string(),
+                        "id": integer(), "risk": { "type": "string", "enum": ["markers_pruned", "applied_since", "id_reused", "relay_letter"] }, "why": string(),
                     }), &["id", "risk", "why"]) },
                     "busy": { "type": "array", "items": object(json!({ "id": integer(), "since": string() }), &["id", "since"]) },
                     "stopped_by": nullable_string(),
@@ -364,7 +367,7 @@ pub fn document() -> Value {
                         "consumer_group": string(), "markers": integer(), "dead_letters": integer(),
                         "oldest_marker_age_seconds": { "type": "number", "nullable": true },
                     }), &["consumer_group", "markers", "dead_letters", "oldest_marker_age_seconds"]) },
-                    "prune": object(json!({ "retention": string(), "would_delete": integer(), "command": string() }), &["retention", "would_delete", "command"]),
+                    "prune": object(json!({ "retention": string(), "would_delete": integer(), "command": string(), "warning": nullable_string() }), &["retention", "would_delete", "command"]),
                 }), &["groups", "prune"]),
                 "Outbox": object(json!({
                     "destinations": { "type": "array", "items": object(json!({
@@ -377,7 +380,8 @@ pub fn document() -> Value {
                     }), &["id", "event_id", "destination", "attempts", "age_seconds"]) },
                     "dead_letters": object(json!({
                         "items": { "type": "array", "items": reference("DeadLetter") }, "total": integer(),
-                    }), &["items", "total"]),
+                        "next_after": { "type": "integer", "format": "int64", "nullable": true },
+                    }), &["items", "total", "next_after"]),
                 }), &["destinations", "failing", "dead_letters"]),
                 "RequeueRequest": {
                     "type": "object",

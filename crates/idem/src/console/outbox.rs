@@ -7,8 +7,8 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::rejection::JsonRejection;
-use axum::extract::{Form, State};
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::extract::{Form, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
@@ -22,8 +22,18 @@ use crate::source::Publisher;
 use crate::store::DeadLetter;
 use crate::store::letter_pages::LetterQuery;
 
-/// How many failing rows and relay dead letters the view lists.
+/// How many failing rows the view lists.
 const LISTED: i64 = 50;
+
+/// The query of the outbox view: where the page of relay dead letters starts.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OutboxQuery {
+    /// Only relay dead letters with a larger id (the previous page's `next_after`).
+    pub after: Option<i64>,
+    /// At most this many relay dead letters (1 to 500, default 50).
+    pub limit: Option<i64>,
+}
 
 /// The outbox view's figures.
 pub(crate) struct Backlog {
@@ -31,15 +41,26 @@ pub(crate) struct Backlog {
     failing: Vec<OutboxMessage>,
     dead: Vec<DeadLetter>,
     dead_total: i64,
+    next_after: Option<i64>,
 }
 
-async fn backlog<DB: ConsoleStore, P: Publisher + 'static>(c: &Console<DB, P>) -> Result<Backlog, crate::Error> {
-    let destinations = crate::outbox::destinations(&c.pool, &c.tables).await?;
-    let failing = crate::outbox::list(&c.pool, &c.tables, true, LISTED).await?;
+async fn backlog<DB: ConsoleStore, P: Publisher + 'static>(
+    c: &Console<DB, P>,
+    asked: &OutboxQuery,
+) -> Result<Backlog, Refusal> {
+    let limit = super::api::limit_of(asked.limit, 50, 500)?;
+    let unavailable =
+        |e: crate::Error| (StatusCode::SERVICE_UNAVAILABLE, format!("the database did not answer: {e}; try again"));
+    let destinations = crate::outbox::destinations(&c.pool, &c.tables).await.map_err(unavailable)?;
+    let failing = crate::outbox::list(&c.pool, &c.tables, true, LISTED).await.map_err(unavailable)?;
     let relays = LetterQuery { group_prefix: Some("outbox:"), ..LetterQuery::ALL };
-    let dead = DB::letter_page(&c.pool, &c.tables, &relays, LISTED).await?;
-    let dead_total = DB::count_letters(&c.pool, &c.tables, &relays, None).await?;
-    Ok(Backlog { destinations, failing, dead, dead_total })
+    let page = LetterQuery { after_id: asked.after, ..relays };
+    let mut dead = DB::letter_page(&c.pool, &c.tables, &page, limit + 1).await.map_err(unavailable)?;
+    let size = usize::try_from(limit).unwrap_or(usize::MAX);
+    let next_after = (dead.len() > size).then(|| dead[size - 1].id);
+    dead.truncate(size);
+    let dead_total = DB::count_letters(&c.pool, &c.tables, &relays, None).await.map_err(unavailable)?;
+    Ok(Backlog { destinations, failing, dead, dead_total, next_after })
 }
 
 fn message_json(m: &OutboxMessage) -> serde_json::Value {
@@ -53,21 +74,26 @@ fn message_json(m: &OutboxMessage) -> serde_json::Value {
 pub async fn api<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
+    asked: Result<Query<OutboxQuery>, QueryRejection>,
 ) -> Response {
     if let Err((status, why)) = c.api_user(&headers, Role::Viewer) {
         return error(status, &why);
     }
-    match backlog(&c).await {
+    let asked = match super::api::query(asked) {
+        Ok(asked) => asked,
+        Err((status, why)) => return error(status, &why),
+    };
+    match backlog(&c, &asked).await {
         Ok(b) => {
             let dead: Vec<serde_json::Value> = b.dead.iter().map(|l| c.letter_json(l)).collect();
             Json(serde_json::json!({
                 "destinations": b.destinations,
                 "failing": b.failing.iter().map(message_json).collect::<Vec<_>>(),
-                "dead_letters": { "items": dead, "total": b.dead_total },
+                "dead_letters": { "items": dead, "total": b.dead_total, "next_after": b.next_after },
             }))
             .into_response()
         }
-        Err(e) => super::api::database(&e),
+        Err((status, why)) => error(status, &why),
     }
 }
 
@@ -92,8 +118,21 @@ impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
             return Err((StatusCode::BAD_REQUEST, "ids and all: name ids, or all, not both".to_owned()));
         }
         let relay = body.relay.as_deref().map(str::trim).filter(|r| !r.is_empty());
-        let done = requeue(&self.pool, &self.tables, &body.ids, body.all, relay, body.dry_run).await;
         let subjects = |chosen: &[i64]| format!("dead letters {}", crate::dead_letter::selection::join(chosen));
+        let named = match (body.all, relay) {
+            (true, Some(r)) => format!("all of relay {r}"),
+            (true, None) => "all".to_owned(),
+            (false, _) if body.ids.is_empty() => "nothing named".to_owned(),
+            (false, _) => subjects(&body.ids),
+        };
+        if body.ids.is_empty() && !body.all {
+            let why = "name the relay dead letters to requeue: `ids`, or `all: true` (with `relay`, one relay's)";
+            if !body.dry_run {
+                self.audit(user, "outbox requeue", named, 0, &Err(why.to_owned())).await;
+            }
+            return Err((StatusCode::BAD_REQUEST, why.to_owned()));
+        }
+        let done = requeue(&self.pool, &self.tables, &body.ids, body.all, relay, body.dry_run).await;
         match done {
             Ok(done) if body.dry_run => Ok((done, None)),
             Ok(done) => {
@@ -101,7 +140,12 @@ impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
                     self.audit(user, "outbox requeue", subjects(&done.chosen), done.requeued.len(), &Ok(())).await;
                 Ok((done, entry))
             }
-            Err(RequeueError::Refused(why)) => Err((StatusCode::CONFLICT, why)),
+            Err(RequeueError::Refused(why)) => {
+                if !body.dry_run {
+                    self.audit(user, "outbox requeue", named, 0, &Err(why.clone())).await;
+                }
+                Err((StatusCode::CONFLICT, why))
+            }
             Err(RequeueError::Failed { done, error }) => {
                 let why = format!("the database failed after {} requeued: {error}", done.requeued.len());
                 let outcome = Err(why.clone());
@@ -140,13 +184,14 @@ pub async fn requeue_api<DB: ConsoleStore, P: Publisher + 'static>(
 pub async fn page<DB: ConsoleStore, P: Publisher + 'static>(
     State(c): State<Arc<Console<DB, P>>>,
     headers: HeaderMap,
+    Query(asked): Query<OutboxQuery>,
 ) -> Response {
     let Some(session) = signed_in(&c, &headers) else {
         return to_sign_in();
     };
-    let b = match backlog(&c).await {
+    let b = match backlog(&c, &asked).await {
         Ok(b) => b,
-        Err(e) => return failed(StatusCode::SERVICE_UNAVAILABLE, &format!("the database did not answer: {e}")),
+        Err((status, why)) => return failed(status, &why),
     };
     let mut body = String::from("<h2>Backlog per destination</h2>");
     if b.destinations.is_empty() {
@@ -213,6 +258,10 @@ pub async fn page<DB: ConsoleStore, P: Publisher + 'static>(
             );
         }
         body.push_str("</table>");
+        if let Some(after) = b.next_after {
+            let limit = asked.limit.map(|n| format!("&limit={n}")).unwrap_or_default();
+            let _ = write!(body, r#"<p><a id="next" href="/outbox?after={after}{limit}">Next page</a></p>"#);
+        }
         if operator {
             let _ = write!(
                 body,

@@ -206,14 +206,21 @@ fn first_value<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
     headers.get(name).and_then(|v| v.to_str().ok()).and_then(|v| v.split(',').next()).map(str::trim)
 }
 
+/// Whether a form comes from the console's own pages: its `Origin` (else its `Referer`) names the console's host.
+/// A form with neither is refused: every browser sends one with a form.
 fn same_origin(headers: &HeaderMap, behind_proxy: bool) -> Result<(), String> {
-    let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) else {
-        return Ok(());
+    let origin = headers
+        .get(header::ORIGIN)
+        .or_else(|| headers.get(header::REFERER))
+        .and_then(|v| v.to_str().ok())
+        .map(|o| o.split_once("://").map_or(o, |(_, rest)| rest).split('/').next().unwrap_or_default().to_owned());
+    let Some(origin_host) = origin else {
+        return Err("a form without an Origin header is refused: post it from the console's own page".to_owned());
     };
+    let origin = origin_host.as_str();
     let forwarded = behind_proxy.then(|| first_value(headers, "x-forwarded-host")).flatten();
     let host = forwarded.or_else(|| first_value(headers, "host")).unwrap_or_default();
-    let origin_host = origin.split_once("://").map_or(origin, |(_, rest)| rest);
-    if origin_host == host {
+    if origin == host {
         Ok(())
     } else {
         Err(format!("a form from {origin} is refused: the console only takes its own"))
@@ -885,9 +892,10 @@ pub async fn edit<DB: ConsoleStore, P: Publisher + 'static>(
 /// The link to an action's audit entry, or why there is none.
 pub(crate) fn audit_link(entry: Option<i64>) -> String {
     match entry {
-        Some(id) => {
-            format!(r##"<p><a id="audit-link" href="/audit#audit-{id}">The audit trail's entry ({id})</a></p>"##)
-        }
+        Some(id) => format!(
+            r##"<p><a id="audit-link" href="/audit?before={}#audit-{id}">The audit trail's entry ({id})</a></p>"##,
+            id + 1
+        ),
         None => {
             r#"<p class="error">The audit trail could not record this action (see the console's log).</p>"#.to_owned()
         }

@@ -334,10 +334,19 @@ pub struct Chosen<'a> {
 /// What a selection took: letters, or nothing, with why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Taken {
-    /// The letters, oldest first.
-    Letters(Vec<DeadLetter>),
+    /// The letters, oldest first, and the ids named that are gone (replayed meanwhile, or never there) while
+    /// others were taken.
+    Letters(Vec<DeadLetter>, Vec<i64>),
     /// Nothing: why, and what to do.
     Refused(String),
+}
+
+/// Why a named letter was not taken.
+enum NotTaken {
+    /// It is there, but the action must not take it: nothing is done.
+    Refused(String),
+    /// It is not there (replayed meanwhile): the others named go ahead.
+    Gone(String),
 }
 
 impl Chosen<'_> {
@@ -357,12 +366,23 @@ impl Chosen<'_> {
         }
         let group = self.filter.spec.group.as_deref();
         let mut letters = Vec::new();
+        let mut gone = Vec::new();
+        let mut why_gone = None;
         for &id in self.ids {
             let query = LetterQuery { id: Some(id), ..self.filter.query() };
             match DB::letter_page(pool, tables, &query, 1).await?.pop().filter(|l| self.filter.takes(l)) {
                 Some(letter) => letters.push(letter),
-                None => return Ok(Taken::Refused(self.why_not_taken(pool, tables, id).await)),
+                None => match self.why_not_taken(pool, tables, id).await {
+                    NotTaken::Gone(why) => {
+                        gone.push(id);
+                        why_gone.get_or_insert(why);
+                    }
+                    NotTaken::Refused(why) => return Ok(Taken::Refused(why)),
+                },
             }
+        }
+        if let (true, Some(why)) = (letters.is_empty(), why_gone) {
+            return Ok(Taken::Refused(why));
         }
         if self.ids.is_empty() {
             letters = self.filter.letters(pool, tables, i64::MAX).await?;
@@ -384,32 +404,33 @@ impl Chosen<'_> {
             };
             return Ok(Taken::Refused(why));
         }
-        Ok(Taken::Letters(letters))
+        Ok(Taken::Letters(letters, gone))
     }
 
-    /// Why dead letter `id` is not among those taken: the filters leave it out, it was discarded (by whom, when,
-    /// why), or there is no such letter.
-    async fn why_not_taken<DB: Backend>(&self, pool: &sqlx::Pool<DB>, tables: &Tables, id: i64) -> String {
+    /// Why dead letter `id` is not among those taken: the filters leave it out or it was discarded (by whom,
+    /// when, why), which refuses the action; or there is no such letter (replayed meanwhile), which another
+    /// letter named with it does not refuse.
+    async fn why_not_taken<DB: Backend>(&self, pool: &sqlx::Pool<DB>, tables: &Tables, id: i64) -> NotTaken {
         let group = self.filter.spec.group.as_deref();
         let in_group = LetterQuery { group, id: Some(id), ..LetterQuery::ALL };
         if DB::count_letters(pool, tables, &in_group, None).await.is_ok_and(|n| n > 0) {
-            return format!(
+            return NotTaken::Refused(format!(
                 "dead letter {id} is not among those the filters take ({}); drop the filters to name it by id",
                 self.filter.describe()
-            );
+            ));
         }
         if let Ok(Some(a)) = super::archived_letter(pool, tables, id).await {
-            return format!(
+            return NotTaken::Refused(format!(
                 "dead letter {id} was discarded by {} at {} ({}); see `idem dead-letters archived`",
                 a.discarded_by,
                 crate::store::rfc3339_from_ms(a.discarded_at_ms),
                 a.reason
-            );
+            ));
         }
-        match group {
+        NotTaken::Gone(match group {
             Some(group) => format!("no dead letter of group {group} has id {id}; see `idem dead-letters list`"),
             None => format!("no dead letter has id {id} (replayed since?); see `idem dead-letters list`"),
-        }
+        })
     }
 
     /// Why failure group `fingerprint` selects nothing: the other filters leave its letters out, it belongs to

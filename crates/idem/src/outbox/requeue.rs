@@ -60,13 +60,32 @@ pub async fn requeue<DB: OutboxStore>(
         .filter(|l| all || ids.contains(&l.id))
         .map(|l| l.id)
         .collect();
-    for id in ids {
-        if !chosen.contains(id) {
-            return Err(RequeueError::Refused(format!(
-                "no outbox dead letter with id {id}{}; see `idem dead-letters list --group outbox:<relay>`",
-                relay.map(|r| format!(" of relay {r}")).unwrap_or_default()
-            )));
+    // A letter named that is not there was requeued (or discarded) meanwhile: the others go ahead. One that is
+    // there but is not a relay's (of `relay`) refuses the whole.
+    let mut gone = Vec::new();
+    for &id in ids {
+        if chosen.contains(&id) {
+            continue;
         }
+        let query =
+            crate::store::letter_pages::LetterQuery { id: Some(id), ..crate::store::letter_pages::LetterQuery::ALL };
+        match DB::letter_page(pool, tables, &query, 1).await.map_err(failed)?.pop() {
+            Some(letter) => {
+                return Err(RequeueError::Refused(format!(
+                    "dead letter {id} is consumer group {}'s, not {}: requeue takes a relay's dead letters (replay \
+                     a consumer's with `idem dead-letters replay {id}`)",
+                    letter.consumer_group,
+                    relay.map_or_else(|| "a relay's".to_owned(), |r| format!("relay {r}'s"))
+                )));
+            }
+            None => gone.push(id),
+        }
+    }
+    if chosen.is_empty() && !gone.is_empty() {
+        return Err(RequeueError::Refused(format!(
+            "no dead letter has id {} any more (requeued meanwhile?): nothing to requeue",
+            crate::dead_letter::selection::join(&gone)
+        )));
     }
     if chosen.is_empty() {
         return Err(RequeueError::Refused(match relay {
@@ -74,7 +93,7 @@ pub async fn requeue<DB: OutboxStore>(
             None => "no relay has a dead letter: nothing to requeue".to_owned(),
         }));
     }
-    let mut done = Requeued { chosen: chosen.clone(), ..Requeued::default() };
+    let mut done = Requeued { chosen: chosen.clone(), gone, ..Requeued::default() };
     if dry_run {
         return Ok(done);
     }

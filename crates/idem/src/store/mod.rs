@@ -176,6 +176,12 @@ pub trait Operations: Store {
         group: Option<&str>,
         older_than: std::time::Duration,
     ) -> impl Future<Output = Result<i64, Error>> + Send;
+    /// After a replay's publish failed: the row is `dead` again, held by no replay.
+    fn abandon_replay(
+        pool: &sqlx::Pool<Self>,
+        tables: &Tables,
+        id: i64,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
     /// Last step of a replay: deletes the row if it is still `replaying` (a new failure would have set it back
     /// to `dead`, and then the row stays).
     fn finish_replay(

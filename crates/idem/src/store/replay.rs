@@ -43,6 +43,9 @@ pub enum ReplayRisk {
     /// The letter is an event whose id another event had used: a copy under the same id would be refused again
     /// (checked before the database, see [`crate::dead_letter::ID_REUSED_PREFIX`]); never replayed.
     IdReused,
+    /// The letter is a message an outbox relay gave up on (consumer group `outbox:<relay>`): it goes back into the
+    /// outbox (`idem outbox requeue`), not to a consumer.
+    RelayLetter,
 }
 
 /// First step, in one transaction: marks the row `replaying` and deletes its event's marker, unless the row is
@@ -143,6 +146,22 @@ where
         .await?;
     tx.commit().await?;
     Ok(ReplayStart::Started)
+}
+
+/// After a publish that failed: the row is `dead` again and no replay holds it, so the next replay starts at once
+/// (the copy may still have reached the broker: its marker then absorbs the next one, which step 1 refuses as
+/// applied since).
+pub(crate) async fn abandon<DB>(pool: &Pool<DB>, tables: &Tables, style: Style, id: i64) -> Result<(), Error>
+where
+    DB: sqlx::Database,
+    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+    i64: sqlx::Type<DB> + for<'q> sqlx::Encode<'q, DB>,
+{
+    let sql =
+        "UPDATE {t}dead_letters SET status = 'dead', replay_started_at_ms = NULL WHERE id = ? AND status = 'replaying'";
+    sqlx::query(&style.finish(&tables.render(sql))).bind(id).execute(pool).await?;
+    Ok(())
 }
 
 /// Last step: deletes the row if it is still `replaying` (a new failure would have set it back to `dead`, and

@@ -389,6 +389,10 @@ impl Operations for MySql {
         Ok(sqlx::query_scalar(&sql).bind(micros(older_than)).bind(group).bind(group).fetch_one(pool).await?)
     }
 
+    async fn abandon_replay(pool: &sqlx::MySqlPool, tables: &Tables, id: i64) -> Result<(), Error> {
+        crate::store::replay::abandon(pool, tables, crate::store::parking::Style::MySql, id).await
+    }
+
     async fn finish_replay(pool: &sqlx::MySqlPool, tables: &Tables, id: i64) -> Result<(), Error> {
         crate::store::replay::finish(pool, tables, crate::store::parking::Style::MySql, id).await
     }

@@ -307,6 +307,10 @@ impl Operations for Postgres {
         Ok(sqlx::query_scalar(&sql).bind(older_than.as_secs_f64()).bind(group).fetch_one(pool).await?)
     }
 
+    async fn abandon_replay(pool: &sqlx::PgPool, tables: &Tables, id: i64) -> Result<(), Error> {
+        crate::store::replay::abandon(pool, tables, crate::store::parking::Style::Postgres, id).await
+    }
+
     async fn finish_replay(pool: &sqlx::PgPool, tables: &Tables, id: i64) -> Result<(), Error> {
         crate::store::replay::finish(pool, tables, crate::store::parking::Style::Postgres, id).await
     }

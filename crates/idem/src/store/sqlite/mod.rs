@@ -193,6 +193,10 @@ impl Operations for Sqlite {
         Ok(sqlx::query_scalar(&sql).bind(millis).bind(group).fetch_one(pool).await?)
     }
 
+    async fn abandon_replay(pool: &sqlx::SqlitePool, tables: &Tables, id: i64) -> Result<(), Error> {
+        crate::store::replay::abandon(pool, tables, crate::store::parking::Style::Sqlite, id).await
+    }
+
     async fn finish_replay(pool: &sqlx::SqlitePool, tables: &Tables, id: i64) -> Result<(), Error> {
         crate::store::replay::finish(pool, tables, crate::store::parking::Style::Sqlite, id).await
     }
