@@ -104,3 +104,33 @@ where
     assert_eq!(one.letters(&pool, &tables, 10).await.unwrap().len(), 1);
 }
 on_every_store!(pages_filtered_by_the_database);
+
+/// A broker that refuses every publish.
+struct Refusing;
+
+impl idem::source::Publisher for Refusing {
+    async fn publish(&self, _: &idem::Message) -> Result<(), idem::source::SourceError> {
+        Err(idem::source::SourceError::transient("publish", "the broker is down"))
+    }
+}
+
+/// A replay whose publish fails leaves its letter dead at once, for the next replay to take without waiting for
+/// the first one's lease.
+async fn a_failed_publish_leaves_the_letter_dead<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+{
+    idem::migrate(&pool, &Tables::default()).await.unwrap();
+    write(&pool, "ledger", 1, "account N does not exist").await;
+    let letter = idem::dead_letter::list(&pool, &Tables::default(), None, 1).await.unwrap().remove(0);
+    let forced = idem::dead_letter::Safety::Forced;
+    let failed = idem::dead_letter::replay(&pool, &Tables::default(), &Refusing, &letter, forced).await;
+    assert!(failed.is_err(), "the publish error is the replay's");
+    assert_eq!(
+        pool.scalar("SELECT COUNT(*) FROM dead_letters WHERE status = 'dead' AND replay_started_at_ms IS NULL").await,
+        1
+    );
+    let again = idem::dead_letter::check_replay(&pool, &Tables::default(), &letter, forced).await.unwrap();
+    assert_eq!(again, idem::dead_letter::Replayed::Published, "not busy: a second replay goes ahead");
+}
+on_every_store!(a_failed_publish_leaves_the_letter_dead);

@@ -210,6 +210,28 @@ impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
             }
             return Err((StatusCode::BAD_REQUEST, why));
         }
+        // One action of the console takes at most MAX_ACTION letters: its confirmation names every id, and a
+        // larger one belongs to the command line, which prints its progress as it goes.
+        let unavailable = |e: crate::Error| {
+            (StatusCode::SERVICE_UNAVAILABLE, format!("the database did not answer: {e}; nothing was done"))
+        };
+        let count = if request.ids.is_empty() {
+            filter.count_at_most(&self.pool, &self.tables, MAX_ACTION + 1).await.map_err(unavailable)?
+        } else {
+            request.ids.len() as i64
+        };
+        if count > MAX_ACTION {
+            let why = format!(
+                "this selection takes more than {MAX_ACTION} dead letters; the console acts on at most {MAX_ACTION} at \
+                 once: narrow it (group, older_than, fingerprint) and act again, or use `idem dead-letters {verb}` \
+                 with the same filters"
+            );
+            if !request.dry_run {
+                let subjects = format!("{}{forced}{with_reason}", chosen.subjects(&[]));
+                self.audit(user, audit_action, subjects, 0, &Err(why.clone())).await;
+            }
+            return Err((StatusCode::CONFLICT, why));
+        }
         let taken = chosen.letters(&self.pool, &self.tables, verb).await.map_err(|e| {
             (StatusCode::SERVICE_UNAVAILABLE, format!("the database did not answer: {e}; nothing was done"))
         })?;
@@ -308,6 +330,9 @@ pub async fn failure_groups<DB: ConsoleStore, P: Publisher + 'static>(
         Err(e) => database(&e),
     }
 }
+
+/// The most dead letters one action of the console takes.
+pub const MAX_ACTION: i64 = 10_000;
 
 /// How many a text search counts at most for its list page (past it, the page says "at least").
 pub const TEXT_COUNT_LIMIT: i64 = 10_000;
