@@ -260,6 +260,23 @@ impl Statements {
     }
 }
 
+/// Binds each of `binds` to query `q`, in order.
+macro_rules! bind_all {
+    ($q:expr, $binds:expr) => {{
+        let mut q = $q;
+        for bind in $binds {
+            q = match bind {
+                $crate::store::letter_pages::Bind::Text(text) => q.bind(text),
+                $crate::store::letter_pages::Bind::Int(n) => q.bind(n),
+                $crate::store::letter_pages::Bind::Int32(n) => q.bind(n),
+            };
+        }
+        q
+    }};
+}
+
+pub(crate) use bind_all;
+
 /// Implements [`LetterPages`] for a store over [`Statements`] in its style.
 macro_rules! impl_letter_pages {
     ($db:ty, $style:expr) => {
@@ -270,16 +287,10 @@ macro_rules! impl_letter_pages {
                 query: &$crate::store::letter_pages::LetterQuery<'_>,
                 limit: i64,
             ) -> Result<Vec<$crate::store::DeadLetter>, $crate::Error> {
-                use $crate::store::letter_pages::{Bind, Statements};
+                use $crate::store::letter_pages::Statements;
                 let (sql, binds) = Statements::new(tables, $style).page(query, limit);
-                let mut q = sqlx::query_as::<_, $crate::store::DeadLetter>(&sql);
-                for bind in binds {
-                    q = match bind {
-                        Bind::Text(text) => q.bind(text),
-                        Bind::Int(n) => q.bind(n),
-                        Bind::Int32(n) => q.bind(n),
-                    };
-                }
+                let q = sqlx::query_as::<_, $crate::store::DeadLetter>(&sql);
+                let q = $crate::store::letter_pages::bind_all!(q, binds);
                 Ok(q.fetch_all(pool).await?)
             }
 
@@ -289,16 +300,10 @@ macro_rules! impl_letter_pages {
                 query: &$crate::store::letter_pages::LetterQuery<'_>,
                 at_most: Option<i64>,
             ) -> Result<i64, $crate::Error> {
-                use $crate::store::letter_pages::{Bind, Statements};
+                use $crate::store::letter_pages::Statements;
                 let (sql, binds) = Statements::new(tables, $style).count(query, at_most);
-                let mut q = sqlx::query_scalar::<_, i64>(&sql);
-                for bind in binds {
-                    q = match bind {
-                        Bind::Text(text) => q.bind(text),
-                        Bind::Int(n) => q.bind(n),
-                        Bind::Int32(n) => q.bind(n),
-                    };
-                }
+                let q = sqlx::query_scalar::<_, i64>(&sql);
+                let q = $crate::store::letter_pages::bind_all!(q, binds);
                 Ok(q.fetch_one(pool).await?)
             }
 
@@ -308,16 +313,10 @@ macro_rules! impl_letter_pages {
                 query: &$crate::store::letter_pages::LetterQuery<'_>,
                 limit: i64,
             ) -> Result<Vec<i64>, $crate::Error> {
-                use $crate::store::letter_pages::{Bind, Statements};
+                use $crate::store::letter_pages::Statements;
                 let (sql, binds) = Statements::new(tables, $style).ids(query, limit);
-                let mut q = sqlx::query_scalar::<_, i64>(&sql);
-                for bind in binds {
-                    q = match bind {
-                        Bind::Text(text) => q.bind(text),
-                        Bind::Int(n) => q.bind(n),
-                        Bind::Int32(n) => q.bind(n),
-                    };
-                }
+                let q = sqlx::query_scalar::<_, i64>(&sql);
+                let q = $crate::store::letter_pages::bind_all!(q, binds);
                 Ok(q.fetch_all(pool).await?)
             }
 
@@ -327,16 +326,10 @@ macro_rules! impl_letter_pages {
                 query: &$crate::store::letter_pages::LetterQuery<'_>,
                 limit: i64,
             ) -> Result<Vec<$crate::store::letter_pages::GroupFigures>, $crate::Error> {
-                use $crate::store::letter_pages::{Bind, GroupFigures, Statements};
+                use $crate::store::letter_pages::{GroupFigures, Statements};
                 let (sql, binds) = Statements::new(tables, $style).groups(query, limit);
-                let mut q = sqlx::query_as::<_, (String, Option<String>, i64, i64, i64, i64)>(&sql);
-                for bind in binds {
-                    q = match bind {
-                        Bind::Text(text) => q.bind(text),
-                        Bind::Int(n) => q.bind(n),
-                        Bind::Int32(n) => q.bind(n),
-                    };
-                }
+                let q = sqlx::query_as::<_, (String, Option<String>, i64, i64, i64, i64)>(&sql);
+                let q = $crate::store::letter_pages::bind_all!(q, binds);
                 let rows = q.fetch_all(pool).await?;
                 Ok(rows
                     .into_iter()
