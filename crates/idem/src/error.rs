@@ -168,6 +168,10 @@ pub enum Error {
     /// The consumer is stopping: a batch waiting to be retried was abandoned, unacknowledged, to be redelivered.
     #[error("stopped: the batch was left unacknowledged because the consumer is stopping")]
     Stopped,
+    /// A message's retryable failures outlasted `max_attempts` where it may be neither parked nor dead-lettered (an
+    /// HTTP request, whose client retries): nothing of it was written, the reason is the last failure's.
+    #[error("gave up for now, nothing written: {0}")]
+    GaveUp(String),
 }
 
 impl From<sqlx::Error> for Error {
@@ -190,7 +194,7 @@ impl Error {
             Error::Source(e) => e.retry(),
             Error::Connect { .. } => Retry::Helps,
             Error::Config(_) | Error::Schema(_) | Error::Worker(_) => Retry::Useless,
-            Error::Stopped => Retry::Helps,
+            Error::Stopped | Error::GaveUp(_) => Retry::Helps,
         }
     }
 }

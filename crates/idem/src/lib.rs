@@ -98,6 +98,8 @@ pub mod handler;
 #[cfg(feature = "http")]
 pub mod http;
 pub mod inbox;
+#[cfg(feature = "ingress")]
+pub mod ingress;
 #[cfg(feature = "kafka")]
 pub use brokers::kafka;
 pub mod key;

@@ -18,6 +18,8 @@ pub const RETENTION_FLOOR: Duration = Duration::from_secs(3_600);
 pub struct PruneReport {
     /// Markers deleted.
     pub deleted: u64,
+    /// Stored HTTP responses deleted with them (see [`crate::ingress`]): those older than the same retention.
+    pub responses_deleted: u64,
     /// `DELETE` statements run (the last one deleted nothing).
     pub statements: u32,
     /// The longest single statement.
@@ -46,6 +48,17 @@ pub async fn prune<DB: Backend>(
         report.statements += 1;
         report.deleted += deleted;
         progress(report.deleted);
+        if deleted == 0 {
+            break;
+        }
+        tokio::time::sleep(pruning.pause).await;
+    }
+    // The HTTP ingress's stored responses go with their markers: a retry past the retention is a new request.
+    let before_ms =
+        crate::store::responses::now_ms().saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
+    loop {
+        let deleted = DB::prune_responses(pool, tables, group, before_ms, pruning.batch_size).await?;
+        report.responses_deleted += deleted;
         if deleted == 0 {
             break;
         }

@@ -90,11 +90,11 @@ async fn migrations_run_twice_and_concurrently() {
     let mut applied_by = 0;
     for task in tasks {
         let report = task.await.unwrap();
-        assert_eq!(report.version, 8);
+        assert_eq!(report.version, 9);
         applied_by += usize::from(!report.applied.is_empty());
     }
     assert_eq!(applied_by, 1, "exactly one migrator applies, the others find the schema current");
-    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM idem_migrations").await, 8);
+    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM idem_migrations").await, 9);
     let status = idem::store::migration_status(&db.pool, &Tables::default()).await.unwrap();
     assert!(status.iter().all(|m| m.state == idem::store::MigrationState::Applied), "{status:?}");
     db.pool.exec("UPDATE idem_migrations SET checksum = 1 WHERE version = 1").await;
@@ -102,7 +102,7 @@ async fn migrations_run_twice_and_concurrently() {
     assert!(err.to_string().contains("was changed after it was applied"), "{err}");
     // A prefix keeps two services apart in one database; a schema is refused with the fix.
     let billing = Tables::new(None, "billing_").unwrap();
-    assert_eq!(idem::migrate(&db.pool, &billing).await.unwrap().applied, [1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(idem::migrate(&db.pool, &billing).await.unwrap().applied, [1, 2, 3, 4, 5, 6, 7, 8, 9]);
     assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM billing_processed_events").await, 0);
     let err = idem::migrate(&db.pool, &Tables::new(Some("billing"), "").unwrap()).await.unwrap_err();
     assert!(err.to_string().contains("table_prefix"), "{err}");

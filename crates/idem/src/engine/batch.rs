@@ -141,6 +141,11 @@ impl<DB: Backend> Engine<DB> {
                     steps.push_front(Step::Behind(at));
                     steps.push_front(Step::Range(range.start..at));
                 }
+                Step::DeadLetter { retryable: true, reason, .. }
+                    if self.inner.gives_back.load(std::sync::atomic::Ordering::Relaxed) =>
+                {
+                    return Err(Error::GaveUp(reason));
+                }
                 Step::DeadLetter { index, reason, attempts, retryable } => match self.inner.breaker.failed(&reason) {
                     (Verdict::DeadLetter, _) if retryable && parks(&items[index]) => {
                         outcomes.push(self.park(&items[index], Some(&reason), attempts, &mut parked, shutdown).await?);

@@ -75,6 +75,9 @@ struct Inner<DB: Backend> {
     warm: warm::Warm<DB>,
     /// The broker of the running source, for traces (`Source::SYSTEM`).
     system: std::sync::OnceLock<&'static str>,
+    /// Set by [`Engine::giving_back`]: a message whose retryable failures outlast `max_attempts` is returned as
+    /// [`Error::GaveUp`] instead of dead-lettered.
+    gives_back: AtomicBool,
 }
 
 impl<DB: Backend> Engine<DB> {
@@ -97,8 +100,19 @@ impl<DB: Backend> Engine<DB> {
                 layout_checked: tokio::sync::Mutex::new(None),
                 warm: warm::Warm::default(),
                 system: std::sync::OnceLock::new(),
+                gives_back: AtomicBool::new(false),
             }),
         })
+    }
+
+    /// The engine of a source whose sender retries on its own (HTTP): a message whose retryable failures outlast
+    /// `max_attempts` is given back as [`Error::GaveUp`], nothing of it written, instead of dead-lettered under
+    /// its marker (which would answer every later retry with the dead letter). Only for one message per
+    /// [`Engine::process`] call: the outcomes of a batch's earlier messages are not returned with the error.
+    #[cfg(feature = "ingress")]
+    pub(crate) fn giving_back(self) -> Self {
+        self.inner.gives_back.store(true, std::sync::atomic::Ordering::Relaxed);
+        self
     }
 
     /// Arms a fault (see [`crate::fault`]): the process kills itself at its point of the transaction order. Only

@@ -13,6 +13,7 @@ mod headers;
 pub mod letter_pages;
 mod migrate;
 pub mod parking;
+pub mod responses;
 
 pub mod mysql;
 pub mod postgres;
@@ -207,7 +208,13 @@ pub trait Operations: Store {
 /// A store idem consumes into and operates on: [`Store`], [`Operations`], [`parking::Parking`] and
 /// [`audit::AuditTrail`] together.
 pub trait Backend:
-    Store + Operations + parking::Parking + audit::AuditTrail + archive::Archive + letter_pages::LetterPages
+    Store
+    + Operations
+    + parking::Parking
+    + audit::AuditTrail
+    + archive::Archive
+    + letter_pages::LetterPages
+    + responses::StoredResponses
 {
     /// `postgres` or `sqlite` ([`Store::NAME`]).
     const NAME: &'static str;
@@ -215,7 +222,13 @@ pub trait Backend:
 
 impl<DB> Backend for DB
 where
-    DB: Store + Operations + parking::Parking + audit::AuditTrail + archive::Archive + letter_pages::LetterPages,
+    DB: Store
+        + Operations
+        + parking::Parking
+        + audit::AuditTrail
+        + archive::Archive
+        + letter_pages::LetterPages
+        + responses::StoredResponses,
 {
     const NAME: &'static str = <DB as Store>::NAME;
 }

@@ -39,7 +39,7 @@ use crate::store::{
 
 mod outbox;
 
-static MIGRATIONS: [Migration; 8] = [
+static MIGRATIONS: [Migration; 9] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "outbox", sql: include_str!("sql/0003_outbox.sql") },
@@ -48,6 +48,7 @@ static MIGRATIONS: [Migration; 8] = [
     Migration { version: 6, name: "dead_letter_archive", sql: include_str!("sql/0006_dead_letter_archive.sql") },
     Migration { version: 7, name: "replay_lease", sql: include_str!("sql/0007_replay_lease.sql") },
     Migration { version: 8, name: "failure_fingerprint", sql: include_str!("sql/0008_failure_fingerprint.sql") },
+    Migration { version: 9, name: "http_responses", sql: include_str!("sql/0009_http_responses.sql") },
 ];
 
 /// The oldest servers this store is written for and tested against: MySQL 8.0 and MariaDB 10.6 (recursive
@@ -325,6 +326,7 @@ crate::store::audit::impl_audit!(MySql, crate::store::parking::Style::MySql);
 crate::store::archive::impl_archive!(MySql, crate::store::parking::Style::MySql);
 crate::store::parking::impl_parking!(MySql, crate::store::parking::Style::MySql, each);
 crate::store::letter_pages::impl_letter_pages!(MySql, crate::store::parking::Style::MySql);
+crate::store::responses::impl_stored_responses!(MySql, crate::store::parking::Style::MySql);
 
 impl Operations for MySql {
     async fn stats(pool: &sqlx::MySqlPool, tables: &Tables, group: Option<&str>) -> Result<Vec<GroupStats>, Error> {

@@ -16,7 +16,7 @@ use crate::store::{
     judge_existing, payload_digest,
 };
 
-static MIGRATIONS: [Migration; 10] = [
+static MIGRATIONS: [Migration; 11] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "payload_digest", sql: include_str!("sql/0003_payload_digest.sql") },
@@ -27,6 +27,7 @@ static MIGRATIONS: [Migration; 10] = [
     Migration { version: 8, name: "dead_letter_archive", sql: include_str!("sql/0008_dead_letter_archive.sql") },
     Migration { version: 9, name: "replay_lease", sql: include_str!("sql/0009_replay_lease.sql") },
     Migration { version: 10, name: "failure_fingerprint", sql: include_str!("sql/0010_failure_fingerprint.sql") },
+    Migration { version: 11, name: "http_responses", sql: include_str!("sql/0011_http_responses.sql") },
 ];
 
 /// A stored marker as the reuse check reads it: event id, payload digest, topic, partition, offset.
@@ -251,6 +252,7 @@ crate::store::audit::impl_audit!(Postgres, crate::store::parking::Style::Postgre
 crate::store::archive::impl_archive!(Postgres, crate::store::parking::Style::Postgres);
 crate::store::parking::impl_parking!(Postgres, crate::store::parking::Style::Postgres, array);
 crate::store::letter_pages::impl_letter_pages!(Postgres, crate::store::parking::Style::Postgres);
+crate::store::responses::impl_stored_responses!(Postgres, crate::store::parking::Style::Postgres);
 
 impl Operations for Postgres {
     async fn stats(pool: &sqlx::PgPool, tables: &Tables, group: Option<&str>) -> Result<Vec<GroupStats>, Error> {

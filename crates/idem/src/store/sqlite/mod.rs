@@ -11,7 +11,7 @@ use crate::store::{
     judge_existing, payload_digest,
 };
 
-static MIGRATIONS: [Migration; 9] = [
+static MIGRATIONS: [Migration; 10] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "payload_digest", sql: include_str!("sql/0003_payload_digest.sql") },
@@ -21,6 +21,7 @@ static MIGRATIONS: [Migration; 9] = [
     Migration { version: 7, name: "dead_letter_archive", sql: include_str!("sql/0007_dead_letter_archive.sql") },
     Migration { version: 8, name: "replay_lease", sql: include_str!("sql/0008_replay_lease.sql") },
     Migration { version: 9, name: "failure_fingerprint", sql: include_str!("sql/0009_failure_fingerprint.sql") },
+    Migration { version: 10, name: "http_responses", sql: include_str!("sql/0010_http_responses.sql") },
 ];
 
 impl Store for Sqlite {
@@ -134,6 +135,7 @@ crate::store::audit::impl_audit!(Sqlite, crate::store::parking::Style::Sqlite);
 crate::store::archive::impl_archive!(Sqlite, crate::store::parking::Style::Sqlite);
 crate::store::parking::impl_parking!(Sqlite, crate::store::parking::Style::Sqlite, each);
 crate::store::letter_pages::impl_letter_pages!(Sqlite, crate::store::parking::Style::Sqlite);
+crate::store::responses::impl_stored_responses!(Sqlite, crate::store::parking::Style::Sqlite);
 
 impl Operations for Sqlite {
     async fn stats(pool: &sqlx::SqlitePool, tables: &Tables, group: Option<&str>) -> Result<Vec<GroupStats>, Error> {

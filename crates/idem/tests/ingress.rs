@@ -1,0 +1,332 @@
+//! The HTTP ingress on every store, over real HTTP: a retry gets the first reply (stored in the marker's
+//! transaction), a different body under the same key is 422, concurrent requests of one key apply once, a client
+//! that gave up gets the answer on its retry, a permanent failure is answered the same every time, a bad
+//! signature or an oversized body stores nothing, and stored replies are pruned with their markers.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use common::{Ledger, TestPool, ledger_rows, markers, setup};
+use idem::ingress::{Ingress, Limits, Options, Reply, Respond, Secret, Signature};
+use idem::{Backend, Config, Event, Handler, HandlerError, KeyExtractor};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+type Pool<DB> = sqlx::Pool<DB>;
+
+/// Every reply carries a receipt number drawn when it is made: a replay shows the first one.
+static RECEIPTS: AtomicU64 = AtomicU64::new(1);
+
+/// The ledger handler behind an endpoint: `201 {"id", "receipt"}`.
+struct Payments(Ledger);
+
+impl<DB: Backend> Respond<DB> for Payments
+where
+    Ledger: Handler<DB>,
+{
+    async fn respond(&self, request: &Event, tx: &mut DB::Connection) -> Result<Reply, HandlerError> {
+        self.0.handle(request, tx).await?;
+        let receipt = RECEIPTS.fetch_add(1, Ordering::Relaxed);
+        Ok(Reply::json(201, &serde_json::json!({ "id": request.id, "receipt": receipt }))
+            .with_header("x-receipt", receipt.to_string()))
+    }
+}
+
+struct Answer {
+    status: u16,
+    head: String,
+    body: String,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<String> {
+        self.head.lines().find_map(|line| {
+            let (n, v) = line.split_once(':')?;
+            n.eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+        })
+    }
+}
+
+/// One HTTP/1.1 `POST` on a connection of its own.
+async fn post(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &str) -> Answer {
+    let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut request = format!("POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    conn.write_all(request.as_bytes()).await.expect("write");
+    let mut raw = Vec::new();
+    conn.read_to_end(&mut raw).await.expect("read");
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    Answer { status, head: head.to_owned(), body: body.to_owned() }
+}
+
+fn config() -> Config {
+    Config::new("payments-api", KeyExtractor::Header("Idempotency-Key".into()))
+        .backoff(Duration::from_millis(5), Duration::from_millis(20))
+}
+
+/// Serves an ingress at `/payments` on a free port.
+async fn serve<DB: Backend>(pool: &Pool<DB>, options: Options) -> SocketAddr
+where
+    Ledger: Handler<DB>,
+{
+    serve_with(pool, config(), options).await
+}
+
+async fn serve_with<DB: Backend>(pool: &Pool<DB>, config: Config, options: Options) -> SocketAddr
+where
+    Ledger: Handler<DB>,
+{
+    let ingress = Ingress::new(pool.clone(), config, Payments(Ledger::default()), options).expect("ingress");
+    let app = ingress.router("/payments").expect("router");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+fn body(id: &str, amount: i64, extra: &str) -> String {
+    let extra = if extra.is_empty() { String::new() } else { format!(",{extra}") };
+    format!(r#"{{"id":"{id}","amount":{amount}{extra}}}"#)
+}
+
+async fn stored_responses<P: TestPool>(pool: &P) -> i64 {
+    pool.scalar("SELECT COUNT(*) FROM http_responses").await
+}
+
+/// A retry gets the first reply byte for byte, marked replayed; the same key with another body is 422; no key is
+/// 400 naming the header.
+async fn a_retry_gets_the_first_reply<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let addr = serve(&pool, Options::default()).await;
+    let key = [("Idempotency-Key", "pay-1"), ("Content-Type", "application/json")];
+    let first = post(addr, "/payments", &key, &body("pay-1", 5, "")).await;
+    assert_eq!(first.status, 201, "{}", first.body);
+    assert!(first.header(idem::ingress::REPLAYED).is_none());
+    let again = post(addr, "/payments", &key, &body("pay-1", 5, "")).await;
+    assert_eq!((again.status, again.body.as_str()), (201, first.body.as_str()), "the stored reply");
+    assert_eq!(again.header("x-receipt"), first.header("x-receipt"), "its headers too");
+    assert_eq!(again.header(idem::ingress::REPLAYED).as_deref(), Some("true"));
+    assert_eq!(ledger_rows(&pool, "pay-1").await, 1, "applied once");
+    assert_eq!(markers(&pool, "pay-1").await, 1);
+    let other = post(addr, "/payments", &key, &body("pay-1", 500, "")).await;
+    assert_eq!(other.status, 422, "{}", other.body);
+    assert!(other.body.contains("different request body"), "{}", other.body);
+    assert_eq!(ledger_rows(&pool, "pay-1").await, 1, "nothing applied");
+    let keyless = post(addr, "/payments", &[], &body("pay-2", 5, "")).await;
+    assert_eq!(keyless.status, 400, "{}", keyless.body);
+    assert!(keyless.body.contains("idempotency-key"), "{}", keyless.body);
+    assert_eq!(ledger_rows(&pool, "pay-2").await, 0);
+    assert_eq!(stored_responses(&pool).await, 1);
+}
+on_every_store!(a_retry_gets_the_first_reply);
+
+/// Eight requests of one key at once: one applies, all get its reply. With a short wait for the first, the others
+/// get 409 and Retry-After, and a later retry gets the reply.
+async fn concurrent_requests_of_one_key_apply_once<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let addr = serve(&pool, Options::default()).await;
+    let payload = body("pay-c", 7, r#""sleep_ms":200"#);
+    let sends = (0..8).map(|_| {
+        let payload = payload.clone();
+        tokio::spawn(async move { post(addr, "/payments", &[("Idempotency-Key", "pay-c")], &payload).await })
+    });
+    let mut bodies = Vec::new();
+    for send in sends {
+        let answer = send.await.expect("send");
+        assert_eq!(answer.status, 201, "{}", answer.body);
+        bodies.push(answer.body);
+    }
+    assert!(bodies.iter().all(|b| b == &bodies[0]), "one reply for all: {bodies:?}");
+    assert_eq!(ledger_rows(&pool, "pay-c").await, 1);
+
+    let limits = Limits { wait_for_first: Duration::from_millis(50), ..Limits::default() };
+    let addr = serve(&pool, Options { limits, ..Options::default() }).await;
+    let payload = body("pay-d", 7, r#""sleep_ms":600"#);
+    let sends: Vec<_> = (0..4)
+        .map(|_| {
+            let payload = payload.clone();
+            tokio::spawn(async move { post(addr, "/payments", &[("Idempotency-Key", "pay-d")], &payload).await })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for send in sends {
+        let answer = send.await.expect("send");
+        if answer.status == 409 {
+            assert_eq!(answer.header("retry-after").as_deref(), Some("1"));
+        }
+        statuses.push(answer.status);
+    }
+    statuses.sort_unstable();
+    assert_eq!(statuses, [201, 409, 409, 409]);
+    let retry = post(addr, "/payments", &[("Idempotency-Key", "pay-d")], &payload).await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(ledger_rows(&pool, "pay-d").await, 1);
+}
+on_every_store!(concurrent_requests_of_one_key_apply_once);
+
+/// The client is answered 503 when the commit takes longer than the request timeout; the work commits anyway and
+/// the retry gets its reply, applied once.
+async fn a_client_that_gave_up_gets_the_answer_on_its_retry<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let limits = Limits { request_timeout: Duration::from_millis(150), ..Limits::default() };
+    let addr = serve(&pool, Options { limits, ..Options::default() }).await;
+    let payload = body("pay-t", 3, r#""sleep_ms":600"#);
+    let first = post(addr, "/payments", &[("Idempotency-Key", "pay-t")], &payload).await;
+    assert_eq!(first.status, 503, "{}", first.body);
+    assert_eq!(first.header("retry-after").as_deref(), Some("1"));
+    // The retry waits behind the work still in progress, then gets its reply.
+    let mut retry = post(addr, "/payments", &[("Idempotency-Key", "pay-t")], &payload).await;
+    for _ in 0..20 {
+        if retry.status == 201 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        retry = post(addr, "/payments", &[("Idempotency-Key", "pay-t")], &payload).await;
+    }
+    assert_eq!(retry.status, 201, "{}", retry.body);
+    assert_eq!(ledger_rows(&pool, "pay-t").await, 1);
+}
+on_every_store!(a_client_that_gave_up_gets_the_answer_on_its_retry);
+
+/// A permanent failure is dead-lettered and answered 422, the same body on every retry; nothing applied.
+async fn a_permanent_failure_is_answered_the_same_every_time<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let addr = serve(&pool, Options::default()).await;
+    let payload = body("pay-p", 3, r#""poison":true"#);
+    let first = post(addr, "/payments", &[("Idempotency-Key", "pay-p")], &payload).await;
+    let again = post(addr, "/payments", &[("Idempotency-Key", "pay-p")], &payload).await;
+    assert_eq!(first.status, 422, "{}", first.body);
+    assert_eq!((again.status, again.body.as_str()), (422, first.body.as_str()));
+    assert!(first.body.contains("dead letter"), "{}", first.body);
+    assert_eq!(ledger_rows(&pool, "pay-p").await, 0);
+    assert_eq!(pool.scalar("SELECT COUNT(*) FROM dead_letters WHERE event_id = 'pay-p'").await, 1);
+}
+on_every_store!(a_permanent_failure_is_answered_the_same_every_time);
+
+/// A request that fails retryably past `max_attempts` is answered 503 with nothing written (no dead letter, no
+/// marker, no stored reply), and its retry is tried afresh and applied once.
+async fn a_retryable_failure_is_given_back_to_the_client<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let addr = serve_with(&pool, config().max_attempts(2), Options::default()).await;
+    // Fails its first three attempts: two in the first request, one in the retry's.
+    let payload = body("pay-f", 4, r#""flaky":3"#);
+    let first = post(addr, "/payments", &[("Idempotency-Key", "pay-f")], &payload).await;
+    assert_eq!(first.status, 503, "{}", first.body);
+    assert_eq!(first.header("retry-after").as_deref(), Some("1"));
+    assert!(first.body.contains("nothing of it was applied"), "{}", first.body);
+    assert_eq!(markers(&pool, "pay-f").await, 0, "no marker: the retry is tried afresh");
+    assert_eq!(pool.scalar("SELECT COUNT(*) FROM dead_letters WHERE event_id = 'pay-f'").await, 0);
+    assert_eq!(stored_responses(&pool).await, 0);
+    let retry = post(addr, "/payments", &[("Idempotency-Key", "pay-f")], &payload).await;
+    assert_eq!(retry.status, 201, "{}", retry.body);
+    assert_eq!(ledger_rows(&pool, "pay-f").await, 1);
+    let again = post(addr, "/payments", &[("Idempotency-Key", "pay-f")], &payload).await;
+    assert_eq!((again.status, again.body.as_str()), (201, retry.body.as_str()));
+}
+on_every_store!(a_retryable_failure_is_given_back_to_the_client);
+
+/// A missing or wrong signature is 401 and an oversized body 413: nothing stored, nothing applied.
+async fn refused_requests_store_nothing<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let github = Signature::GitHub { secret: Secret::new("webhook-secret") };
+    let limits = Limits { max_body_bytes: 256, ..Limits::default() };
+    let addr = serve(&pool, Options { signature: Some(github.clone()), limits }).await;
+    let payload = body("pay-s", 9, "");
+    let unsigned = post(addr, "/payments", &[("Idempotency-Key", "pay-s")], &payload).await;
+    assert_eq!(unsigned.status, 401, "{}", unsigned.body);
+    assert!(unsigned.body.contains("x-hub-signature-256"), "{}", unsigned.body);
+    let forged = idem::ingress::signature::sign(
+        &Signature::GitHub { secret: Secret::new("not-the-secret") },
+        payload.as_bytes(),
+        SystemTime::now(),
+    );
+    let wrong =
+        post(addr, "/payments", &[("Idempotency-Key", "pay-s"), ("X-Hub-Signature-256", &forged)], &payload).await;
+    assert_eq!(wrong.status, 401, "{}", wrong.body);
+    let big = body("pay-b", 1, &format!(r#""pad":"{}""#, "x".repeat(400)));
+    let signed_big = idem::ingress::signature::sign(&github, big.as_bytes(), SystemTime::now());
+    let oversized =
+        post(addr, "/payments", &[("Idempotency-Key", "pay-b"), ("X-Hub-Signature-256", &signed_big)], &big).await;
+    assert_eq!(oversized.status, 413, "{}", oversized.body);
+    assert_eq!(markers(&pool, "pay-s").await + markers(&pool, "pay-b").await, 0);
+    assert_eq!(stored_responses(&pool).await, 0);
+    let signed = idem::ingress::signature::sign(&github, payload.as_bytes(), SystemTime::now());
+    let good =
+        post(addr, "/payments", &[("Idempotency-Key", "pay-s"), ("X-Hub-Signature-256", &signed)], &payload).await;
+    assert_eq!(good.status, 201, "{}", good.body);
+    assert_eq!(ledger_rows(&pool, "pay-s").await, 1);
+}
+on_every_store!(refused_requests_store_nothing);
+
+/// Stored replies go with their markers' retention: a prune deletes both.
+async fn stored_replies_are_pruned_with_the_markers<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let addr = serve(&pool, Options::default()).await;
+    for key in ["old", "new"] {
+        let answer = post(addr, "/payments", &[("Idempotency-Key", key)], &body(key, 1, "")).await;
+        assert_eq!(answer.status, 201, "{}", answer.body);
+    }
+    let ten_days_ms = 10 * 24 * 3_600 * 1_000;
+    pool.exec(&format!("UPDATE http_responses SET stored_at_ms = stored_at_ms - {ten_days_ms} WHERE event_id = 'old'"))
+        .await;
+    let pruning = idem::Pruning::default();
+    idem::prune::prune(&pool, &idem::Tables::default(), None, Duration::from_secs(86_400), &pruning, |_| {})
+        .await
+        .expect("prune");
+    assert_eq!(pool.scalar("SELECT COUNT(*) FROM http_responses WHERE event_id = 'old'").await, 0);
+    assert_eq!(pool.scalar("SELECT COUNT(*) FROM http_responses WHERE event_id = 'new'").await, 1);
+}
+on_every_store!(stored_replies_are_pruned_with_the_markers);
+
+/// Configurations the ingress cannot honour are refused, naming the fix; so are paths that are not plain.
+#[tokio::test]
+async fn what_the_ingress_cannot_honour_is_refused() {
+    let db = common::sqlite().await;
+    let refuse = |config: Config| {
+        Ingress::new(db.pool.clone(), config, Payments(Ledger::default()), Options::default())
+            .err()
+            .map(|e| e.to_string())
+    };
+    let by_broker = refuse(Config::new("g", KeyExtractor::BrokerId)).expect("refused");
+    assert!(by_broker.contains("header:Idempotency-Key"), "{by_broker}");
+    let natural = refuse(config().natural_key()).expect("refused");
+    assert!(natural.contains("markers"), "{natural}");
+    let ingress = Ingress::new(db.pool.clone(), config(), Payments(Ledger::default()), Options::default()).unwrap();
+    let err = ingress.router("/webhooks/../admin").unwrap_err().to_string();
+    assert!(err.contains("plain absolute path"), "{err}");
+}
