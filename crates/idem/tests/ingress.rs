@@ -84,10 +84,9 @@ where
     Ledger: Handler<DB>,
 {
     let ingress = Ingress::new(pool.clone(), config, Payments(Ledger::default()), options).expect("ingress");
-    let app = ingress.router("/payments").expect("router");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    tokio::spawn(async move { ingress.serve(listener, "/payments", std::future::pending()).await });
     addr
 }
 
@@ -329,4 +328,52 @@ async fn what_the_ingress_cannot_honour_is_refused() {
     let ingress = Ingress::new(db.pool.clone(), config(), Payments(Ledger::default()), Options::default()).unwrap();
     let err = ingress.router("/webhooks/../admin").unwrap_err().to_string();
     assert!(err.contains("plain absolute path"), "{err}");
+}
+
+/// A client that sends its headers too slowly is cut off (nothing stored); a shutdown answers the request in
+/// progress before the server ends, and the engine's figures count it.
+#[tokio::test]
+async fn slow_clients_are_cut_off_and_a_shutdown_answers_what_is_in_progress() {
+    let db = common::sqlite().await;
+    setup(&db.pool).await;
+    let limits = Limits { header_timeout: Duration::from_millis(300), ..Limits::default() };
+    let options = Options { limits, ..Options::default() };
+    let ingress = Ingress::new(db.pool.clone(), config(), Payments(Ledger::default()), options).expect("ingress");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = {
+        let ingress = ingress.clone();
+        tokio::spawn(async move {
+            ingress
+                .serve(listener, "/payments", async {
+                    let _ = stopped.await;
+                })
+                .await
+        })
+    };
+
+    // Half a request line, then nothing: the connection is closed after the header timeout.
+    let mut slow = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    slow.write_all(b"POST /payments HTTP/1.1\r\nHost: x\r\nIdempotency-Key: sl").await.expect("write");
+    let mut raw = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), slow.read_to_end(&mut raw)).await;
+    assert!(read.is_ok(), "the slow connection was not closed");
+    assert!(raw.is_empty() || String::from_utf8_lossy(&raw).contains("408"), "{}", String::from_utf8_lossy(&raw));
+
+    assert!(ingress.engine().health().running, "serving counts as running");
+
+    // A request in progress when the shutdown comes is answered, then the server ends.
+    let payload = body("pay-g", 2, r#""sleep_ms":400"#);
+    let in_progress =
+        tokio::spawn(async move { post(addr, "/payments", &[("Idempotency-Key", "pay-g")], &payload).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let _ = stop.send(());
+    let answer = in_progress.await.expect("request");
+    assert_eq!(answer.status, 201, "{}", answer.body);
+    let stats = tokio::time::timeout(Duration::from_secs(10), server).await.expect("the server ends").expect("join");
+    assert_eq!(stats.expect("serve").processed, 1);
+    assert!(!ingress.engine().health().running);
+    assert_eq!(ledger_rows(&db.pool, "pay-g").await, 1);
+    assert_eq!(markers(&db.pool, "sl").await, 0);
 }

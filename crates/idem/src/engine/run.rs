@@ -24,6 +24,22 @@ use crate::source::{Acknowledgement, Partition, Received, Source};
 use crate::store::Backend;
 
 impl<DB: Backend> Engine<DB> {
+    /// Runs `work` as this engine's consumer where messages are pushed to it rather than polled (the HTTP
+    /// ingress's server): the metric descriptions, the housekeeping beside it (marker gauges, pruning), and
+    /// [`Engine::health`] running until it ends.
+    #[cfg(feature = "ingress")]
+    pub(crate) async fn serving<T>(&self, system: &'static str, work: impl Future<Output = T>) -> T {
+        crate::telemetry::describe();
+        let _ = self.inner.system.set(system);
+        metrics::gauge!("consumer_paused", "consumer_group" => self.inner.config.group.clone()).set(0.0);
+        let _housekeeping = AbortOnDrop(tokio::spawn(self.clone().housekeeping()));
+        self.inner.draining.store(false, Ordering::SeqCst);
+        self.inner.running.store(true, Ordering::SeqCst);
+        let ended = work.await;
+        self.inner.running.store(false, Ordering::SeqCst);
+        ended
+    }
+
     pub(crate) async fn run_with<S: Source, P: Process<DB>>(
         &self,
         source: S,

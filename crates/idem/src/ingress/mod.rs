@@ -72,7 +72,7 @@ use axum::routing::{MethodRouter, post};
 
 pub use self::signature::{Encoding, Secret, Signature, SignatureError};
 use crate::config::{Config, Dedup};
-use crate::engine::{Engine, Outcome};
+use crate::engine::{Engine, Outcome, StatsSnapshot};
 use crate::error::{Error, HandlerError};
 use crate::handler::Handler;
 use crate::key::KeyExtractor;
@@ -152,6 +152,9 @@ pub struct Limits {
     /// How long a request waits for another one with the same key, in progress in this process, before it is
     /// answered `409`. Default 10 s.
     pub wait_for_first: Duration,
+    /// How long a connection may take to send a request's headers (a slow client's, or an idle kept-alive one's)
+    /// before [`Ingress::serve`] closes it. Default 10 s.
+    pub header_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -160,6 +163,7 @@ impl Default for Limits {
             max_body_bytes: 1024 * 1024,
             request_timeout: Duration::from_secs(30),
             wait_for_first: Duration::from_secs(10),
+            header_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -198,9 +202,25 @@ impl<DB: Backend, R: Respond<DB>> Ingress<DB, R> {
     /// header names are case-insensitive). Refused: a key from the broker's id (a request has none), natural-key
     /// dedup (a replay needs the marker's payload digest) and delayed retries (a client waits for its answer).
     pub fn new(pool: sqlx::Pool<DB>, mut config: Config, responder: R, options: Options) -> Result<Self, Error> {
-        config.key = match config.key {
-            KeyExtractor::Header(name) => KeyExtractor::Header(name.to_ascii_lowercase()),
-            KeyExtractor::JsonPointer(pointer) => KeyExtractor::JsonPointer(pointer),
+        if let KeyExtractor::Header(name) = &config.key {
+            config.key = KeyExtractor::Header(name.to_ascii_lowercase());
+        }
+        Self::on_engine(Engine::new(pool, config)?, responder, options)
+    }
+
+    /// An ingress on an engine already built (with [`Engine::on_commit`] or faults, as `idem run` builds its
+    /// consumers'); its configuration is checked as by [`Ingress::new`], and a header key must be written in lower
+    /// case (HTTP/1.1's header names reach it so).
+    pub fn on_engine(engine: Engine<DB>, responder: R, options: Options) -> Result<Self, Error> {
+        let config = engine.config();
+        match &config.key {
+            KeyExtractor::Header(name) if name.chars().any(|c| c.is_ascii_uppercase()) => {
+                return Err(Error::Config(format!(
+                    "the ingress reads header names in lower case: key it with header:{}",
+                    name.to_ascii_lowercase()
+                )));
+            }
+            KeyExtractor::Header(_) | KeyExtractor::JsonPointer(_) => {}
             KeyExtractor::BrokerId => {
                 return Err(Error::Config(
                     "an HTTP request has no broker id: key the ingress with `header:Idempotency-Key` (or another \
@@ -208,7 +228,7 @@ impl<DB: Backend, R: Respond<DB>> Ingress<DB, R> {
                         .into(),
                 ));
             }
-        };
+        }
         if config.dedup != Dedup::Markers {
             return Err(Error::Config(
                 "the HTTP ingress needs markers (dedup = markers): a replayed response is found through its marker"
@@ -223,20 +243,84 @@ impl<DB: Backend, R: Respond<DB>> Ingress<DB, R> {
             ));
         }
         let limits = options.limits;
-        if limits.max_body_bytes == 0 || limits.request_timeout.is_zero() {
-            return Err(Error::Config("the ingress's max_body_bytes and request_timeout must be above 0".into()));
+        if limits.max_body_bytes == 0
+            || limits.request_timeout.is_zero()
+            || limits.header_timeout.is_zero()
+            || limits.wait_for_first.is_zero()
+        {
+            return Err(Error::Config(
+                "the ingress's max_body_bytes, request_timeout, header_timeout and wait_for_first must be above 0"
+                    .into(),
+            ));
         }
         let key = config.key.clone();
-        let engine = Engine::new(pool, config)?.giving_back();
         Ok(Ingress {
             inner: Arc::new(Inner {
-                engine,
+                engine: engine.giving_back(),
                 responder: Arc::new(responder),
                 key,
                 options,
                 in_progress: Mutex::new(HashMap::new()),
             }),
         })
+    }
+
+    /// Serves the ingress at `path` on `listener` until `shutdown` completes; then answers the requests in
+    /// progress and returns the engine's figures. Beside it runs the consumer's housekeeping (marker gauges and,
+    /// when a retention is set, pruning of the markers and their stored replies), and [`Engine::health`] says
+    /// running. A connection that has not sent a request's headers within [`Limits::header_timeout`] is closed.
+    pub async fn serve(
+        &self,
+        listener: tokio::net::TcpListener,
+        path: &str,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<StatsSnapshot, Error> {
+        let router = self.router(path)?;
+        let limits = self.inner.options.limits;
+        let engine = &self.inner.engine;
+        engine
+            .serving("http", async move {
+                let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+                let mut shutdown = std::pin::pin!(shutdown);
+                loop {
+                    let stream = tokio::select! {
+                        () = &mut shutdown => break,
+                        accepted = listener.accept() => match accepted {
+                            Ok((stream, _)) => stream,
+                            Err(error) => {
+                                // Out of file descriptors, or a connection reset before it was taken: not fatal.
+                                tracing::warn!(%error, "accepting a connection failed");
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                                continue;
+                            }
+                        },
+                    };
+                    let service = hyper_util::service::TowerToHyperService::new(router.clone());
+                    let connection = hyper::server::conn::http1::Builder::new()
+                        .timer(hyper_util::rt::TokioTimer::new())
+                        .header_read_timeout(limits.header_timeout)
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+                    let connection = graceful.watch(connection);
+                    tokio::spawn(async move {
+                        let _ = connection.await;
+                    });
+                }
+                // Each request in progress is answered within its request timeout.
+                let drain = limits.request_timeout + limits.wait_for_first + Duration::from_secs(1);
+                if tokio::time::timeout(drain, graceful.shutdown()).await.is_err() {
+                    tracing::warn!("connections still open after the drain; closing them");
+                }
+            })
+            .await;
+        Ok(engine.stats())
+    }
+
+    /// The housekeeping [`Ingress::serve`] runs beside its server, for an ingress mounted in an application of
+    /// your own (`tokio::spawn(ingress.housekeeping())`): marker gauges and, when a retention is set, pruning of the
+    /// markers and their stored replies. It never ends; drop or abort it with your server.
+    pub fn housekeeping(&self) -> impl Future<Output = ()> + Send + 'static {
+        let engine = self.inner.engine.clone();
+        async move { engine.serving("http", std::future::pending::<()>()).await }
     }
 
     /// The engine behind the ingress: its stats, health and the operations endpoint ([`crate::http`]).
