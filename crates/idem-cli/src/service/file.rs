@@ -134,6 +134,8 @@ pub struct Consumer {
     pub sqs: Option<SqsSource>,
     /// Google Cloud Pub/Sub.
     pub pubsub: Option<PubSubSource>,
+    /// HTTP requests (webhooks, `Idempotency-Key` requests), answered after their commit.
+    pub http: Option<HttpSource>,
     /// The parameters the statements use, by name.
     #[serde(default)]
     pub params: BTreeMap<String, Spanned<ParamSpec>>,
@@ -245,6 +247,39 @@ pub struct PubSubSource {
     /// With `idem run --exit-at-end`: how long nothing arriving counts as the end (`3s`); Pub/Sub does not say
     /// how many messages wait.
     pub idle_end: Option<Spanned<String>>,
+}
+
+/// `[consumer.http]`: an endpoint whose requests are applied exactly once, each answered after its commit with
+/// `200 {"id", "outcome"}` (stored, and answered again to every retry of its key).
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpSource {
+    /// The address to listen on (`127.0.0.1:8080`).
+    pub listen: Spanned<String>,
+    /// The path requests are `POST`ed to (`/webhooks/stripe`).
+    pub path: Spanned<String>,
+    /// The largest body taken (bytes; default 1048576); a larger one is answered 413.
+    pub max_body_bytes: Option<Spanned<usize>>,
+    /// How long a body may take to arrive, and a client waits for the commit (`30s`).
+    pub request_timeout: Option<Spanned<String>>,
+    /// How long a connection may take to send a request's headers (`10s`).
+    pub header_timeout: Option<Spanned<String>>,
+    /// How long a request waits behind one with the same key before it is answered 409 (`10s`).
+    pub wait_for_first: Option<Spanned<String>>,
+    /// The signature every request must carry: `stripe`, `github` or `hmac`.
+    pub signature: Option<Spanned<String>>,
+    /// The environment variable holding the signing secret.
+    pub secret_env: Option<Spanned<String>>,
+    /// The file holding the signing secret.
+    pub secret_file: Option<Spanned<String>>,
+    /// With `stripe`: how far the signed timestamp may be from now (`5m`).
+    pub tolerance: Option<Spanned<String>>,
+    /// With `hmac`: the header holding the signature.
+    pub signature_header: Option<Spanned<String>>,
+    /// With `hmac`: what precedes the signature in the header (`sha256=`; default none).
+    pub signature_prefix: Option<String>,
+    /// With `hmac`: `hex` (default) or `base64`.
+    pub signature_encoding: Option<Spanned<String>>,
 }
 
 /// A parameter's declaration: `amount = { from = "json:/amount", type = "numeric" }`.

@@ -241,13 +241,14 @@ async fn serve_console<DB: ServiceDb>(
         let trial = effect::ConfiguredTrial { pool: pool.clone(), group: consumer.config.group.clone(), handler };
         trials.push(std::sync::Arc::new(trial) as std::sync::Arc<dyn idem::console::Trial>);
     }
-    let targets: Vec<BrokerTarget> = plan.consumers.iter().map(|c| broker_of(&c.source)).collect();
-    let shared = targets.first().filter(|first| targets.iter().all(|t| t == *first));
+    let targets: Vec<Option<BrokerTarget>> = plan.consumers.iter().map(|c| broker_of(&c.source)).collect();
+    let shared =
+        targets.first().and_then(Option::as_ref).filter(|first| targets.iter().all(|t| t.as_ref() == Some(*first)));
     let publisher = match shared {
         Some(target) => Some(target.publisher().await.context("[console]: the broker replays go to")?),
         None => {
             tracing::warn!(
-                "[console]: the consumers use different brokers, so the console cannot replay; use `idem console` with the broker's flags"
+                "[console]: the consumers use different brokers (or HTTP, which has none), so the console cannot replay; use `idem console` with the broker's flags"
             );
             None
         }
@@ -267,16 +268,17 @@ async fn serve_console<DB: ServiceDb>(
     Ok(())
 }
 
-/// The broker a consumer reads from, as the replays' target.
-fn broker_of(source: &SourcePlan) -> BrokerTarget {
-    match source {
+/// The broker a consumer reads from, as the replays' target; none for HTTP (its requests come from clients).
+fn broker_of(source: &SourcePlan) -> Option<BrokerTarget> {
+    Some(match source {
         SourcePlan::Embedded { dir, .. } => BrokerTarget::Log(PathBuf::from(dir)),
         SourcePlan::Kafka { brokers, .. } => BrokerTarget::Kafka(brokers.clone()),
         SourcePlan::Nats { url, .. } => BrokerTarget::Nats(url.clone()),
         SourcePlan::Rabbit { url, .. } => BrokerTarget::Rabbitmq(url.clone()),
         SourcePlan::Sqs { endpoint, .. } => BrokerTarget::Sqs(endpoint.clone().unwrap_or_else(|| "aws".to_owned())),
         SourcePlan::PubSub { project, .. } => BrokerTarget::PubSub(project.clone().unwrap_or_default()),
-    }
+        SourcePlan::Http { .. } => return None,
+    })
 }
 
 fn whose(consumer: &ConsumerPlan) -> String {
@@ -384,6 +386,20 @@ async fn start<DB: ServiceDb>(
             };
             let source = idem::pubsub::PubSubSource::connect(&pubsub, config).await?;
             Ok(launch(engine, consumer, source, handler, shutdown))
+        }
+        SourcePlan::Http { listen, path, limits, signature } => {
+            if exit_at_end {
+                tracing::warn!(consumer = %consumer.name, "--exit-at-end does not apply to [consumer.http]: it serves until stopped");
+            }
+            let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| {
+                format!("[consumer.http] listen = \"{listen}\" cannot be bound: another process holds it, or the address is not this machine's")
+            })?;
+            let options = idem::ingress::Options { signature: signature.clone(), limits: *limits };
+            let ingress = idem::ingress::Ingress::on_engine(engine, idem::ingress::Acknowledge(handler), options)?;
+            let bound = listener.local_addr().map_or_else(|_| listen.to_string(), |a| a.to_string());
+            tracing::info!(consumer = %consumer.name, listen = %bound, path = %path, "serving HTTP requests");
+            let path = path.clone();
+            Ok(Box::pin(async move { ingress.serve(listener, &path, shutdown).await }))
         }
         #[allow(unreachable_patterns)]
         _ => anyhow::bail!(

@@ -579,8 +579,8 @@ async fn read_body(body: Body, limit: usize) -> Result<Vec<u8>, BodyError> {
     }
 }
 
-/// A path an ingress may be mounted at: absolute, plain segments, nothing that could climb or be decoded.
-fn check_path(path: &str) -> Result<(), Error> {
+/// Checks a path an ingress may be mounted at: absolute, plain segments, nothing that could climb or be decoded.
+pub fn check_path(path: &str) -> Result<(), Error> {
     let plain = |segment: &str| {
         !segment.is_empty()
             && segment != "."

@@ -202,6 +202,50 @@ fn console_plan(problems: &mut Problems<'_>, section: &Spanned<super::file::Cons
     Some(ConsolePlan { listen, users, show_payloads: c.show_payloads, behind_proxy: c.behind_proxy, message_type })
 }
 
+/// What an HTTP consumer cannot have: a broker-id key (a request has none), the bulk form (each request is its
+/// own transaction), delayed retries (its client waits for the answer) and the Sequential Inbox. Its header key is
+/// matched in lower case, as HTTP/1.1 sends header names.
+fn http_consumer(
+    problems: &mut Problems<'_>,
+    line: usize,
+    c: &Consumer,
+    config: &mut Config,
+    here: &dyn Fn(&str) -> String,
+) {
+    match &config.key {
+        KeyExtractor::BrokerId => problems.at(
+            &c.key,
+            &here("key"),
+            "an HTTP request has no broker id: key it on a header (header:idempotency-key, GitHub's \
+             header:x-github-delivery) or on the body (json:/id, Stripe's event id)",
+        ),
+        KeyExtractor::Header(name) => config.key = KeyExtractor::Header(name.to_ascii_lowercase()),
+        KeyExtractor::JsonPointer(_) => {}
+    }
+    if !c.bulk.is_empty() {
+        problems.line(
+            line,
+            &here("bulk"),
+            "an HTTP request is its own transaction: declare the statements as [[consumer.effect]], not [[consumer.bulk]]",
+        );
+    }
+    if let Some(retries) = &c.delayed_retries {
+        problems.at(
+            retries,
+            &here("delayed_retries"),
+            "an HTTP client waits for its answer, so requests are not parked: remove delayed_retries (a request that \
+             keeps failing is answered 503 and retried by its client)",
+        );
+    }
+    if c.inbox.is_some() {
+        problems.line(
+            line,
+            &here("inbox"),
+            "the Sequential Inbox takes its messages from a broker, not from [consumer.http]",
+        );
+    }
+}
+
 fn expanded(problems: &mut Problems<'_>, value: &Spanned<String>, key: &str) -> Option<String> {
     file::expand(value.get_ref()).map_err(|e| problems.at(value, key, e)).ok()
 }
@@ -325,6 +369,9 @@ fn consumer_plan(
         }
     }
     let source = source::plan(problems, line, c, &here);
+    if let Some(SourcePlan::Http { .. }) = &source {
+        http_consumer(problems, line, c, &mut config, &here);
+    }
     if key == Some(KeyExtractor::BrokerId)
         && let Some(broker @ ("rabbitmq" | "sqs" | "pubsub")) = source.as_ref().and_then(SourcePlan::unstable_offsets)
     {
@@ -374,7 +421,8 @@ fn consumer_plan(
             problems.line(
                 line,
                 &here("delayed_retries"),
-                "the Sequential Inbox keeps its own waiting messages and does not park: remove delayed_retries                  from this consumer",
+                "the Sequential Inbox keeps its own waiting messages and does not park: remove delayed_retries \
+                 from this consumer",
             );
         }
         let text = toml::to_string(table.get_ref()).unwrap_or_default();

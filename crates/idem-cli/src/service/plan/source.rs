@@ -1,10 +1,14 @@
-//! The consumer's source table: exactly one of embedded, kafka, nats, rabbitmq, sqs and pubsub, its values checked.
+//! The consumer's source table: exactly one of embedded, kafka, nats, rabbitmq, sqs, pubsub and http, its values
+//! checked.
 
+use std::net::SocketAddr;
 use std::time::Duration;
+
+use idem::ingress::{Encoding, Limits, Secret, Signature};
 
 use super::database::literal_password;
 use super::{Problems, duration, expanded};
-use crate::service::file::Consumer;
+use crate::service::file::{Consumer, HttpSource};
 
 /// Where a consumer reads.
 #[derive(Debug, Clone)]
@@ -38,6 +42,8 @@ pub enum SourcePlan {
         max_outstanding_messages: Option<i64>,
         idle_end: Duration,
     },
+    /// HTTP requests on an endpoint of idem's own.
+    Http { listen: SocketAddr, path: String, limits: Limits, signature: Option<Signature> },
 }
 
 impl SourcePlan {
@@ -47,6 +53,7 @@ impl SourcePlan {
             SourcePlan::Rabbit { .. } => Some("rabbitmq"),
             SourcePlan::Sqs { .. } => Some("sqs"),
             SourcePlan::PubSub { .. } => Some("pubsub"),
+            SourcePlan::Http { .. } => Some("http"),
             _ => None,
         }
     }
@@ -66,13 +73,14 @@ pub(super) fn plan(
         c.rabbitmq.is_some(),
         c.sqs.is_some(),
         c.pubsub.is_some(),
+        c.http.is_some(),
     ];
     if declared.iter().filter(|d| **d).count() != 1 {
         problems.line(
             line,
             &here("source"),
             "declare exactly one source table: [consumer.embedded], \
-             [consumer.kafka], [consumer.nats], [consumer.rabbitmq], [consumer.sqs] or [consumer.pubsub]",
+             [consumer.kafka], [consumer.nats], [consumer.rabbitmq], [consumer.sqs], [consumer.pubsub] or [consumer.http]",
         );
         return None;
     }
@@ -167,6 +175,9 @@ pub(super) fn plan(
             idle_end,
         });
     }
+    if let Some(h) = &c.http {
+        return http(problems, h, here);
+    }
     let r = c.rabbitmq.as_ref()?;
     if literal_password(r.url.get_ref()) {
         problems.at(
@@ -180,4 +191,170 @@ pub(super) fn plan(
     topics(problems, &r.queues, "rabbitmq.queues");
     let url = expanded(problems, &r.url, &here("rabbitmq.url"))?;
     Some(SourcePlan::Rabbit { url, queues: r.queues.clone(), prefetch: r.prefetch })
+}
+
+/// `[consumer.http]`: the address, a plain path, the limits and the signature with its secret (read now, so that
+/// `idem check` catches a secret that is not there).
+fn http(problems: &mut Problems<'_>, h: &HttpSource, here: &dyn Fn(&str) -> String) -> Option<SourcePlan> {
+    let found = problems.found.len();
+    let listen = expanded(problems, &h.listen, &here("http.listen")).and_then(|value| {
+        value
+            .parse::<SocketAddr>()
+            .map_err(|_| {
+                problems.at(
+                    &h.listen,
+                    &here("http.listen"),
+                    format!("`{value}` is not an address: write host:port with an IP, e.g. 127.0.0.1:8080"),
+                )
+            })
+            .ok()
+    });
+    let path = expanded(problems, &h.path, &here("http.path"));
+    if let Some(path) = &path
+        && let Err(e) = idem::ingress::check_path(path)
+    {
+        problems.at(&h.path, &here("http.path"), e.to_string());
+    }
+    let defaults = Limits::default();
+    let mut limit = |value: &Option<toml::Spanned<String>>, key: &str, default: Duration| match value {
+        Some(v) => match duration(problems, v, &here(key)) {
+            Some(d) if d.is_zero() => {
+                problems.at(v, &here(key), "must be above 0");
+                None
+            }
+            d => d,
+        },
+        None => Some(default),
+    };
+    let request_timeout = limit(&h.request_timeout, "http.request_timeout", defaults.request_timeout);
+    let header_timeout = limit(&h.header_timeout, "http.header_timeout", defaults.header_timeout);
+    let wait_for_first = limit(&h.wait_for_first, "http.wait_for_first", defaults.wait_for_first);
+    let max_body_bytes = match &h.max_body_bytes {
+        Some(n) if *n.get_ref() == 0 => {
+            problems.at(n, &here("http.max_body_bytes"), "takes no body at all: use at least 1 (bytes)");
+            None
+        }
+        Some(n) => Some(*n.get_ref()),
+        None => Some(defaults.max_body_bytes),
+    };
+    let signature = signature(problems, h, here);
+    if problems.found.len() != found {
+        return None;
+    }
+    let limits = Limits {
+        max_body_bytes: max_body_bytes?,
+        request_timeout: request_timeout?,
+        wait_for_first: wait_for_first?,
+        header_timeout: header_timeout?,
+    };
+    Some(SourcePlan::Http { listen: listen?, path: path?, limits, signature: signature? })
+}
+
+/// The signature `[consumer.http]` requires, its secret read; `Some(None)` for none.
+fn signature(problems: &mut Problems<'_>, h: &HttpSource, here: &dyn Fn(&str) -> String) -> Option<Option<Signature>> {
+    let Some(kind) = &h.signature else {
+        for (set, key) in [
+            (h.secret_env.is_some() || h.secret_file.is_some(), "http.secret_env"),
+            (h.tolerance.is_some(), "http.tolerance"),
+            (h.signature_header.is_some() || h.signature_prefix.is_some(), "http.signature_header"),
+        ] {
+            if set {
+                problems.line(
+                    line_of(problems, &h.path),
+                    &here(key),
+                    "is set without `signature`: add signature = \"stripe\", \"github\" or \"hmac\", or remove it",
+                );
+            }
+        }
+        return Some(None);
+    };
+    let secret = match (&h.secret_env, &h.secret_file) {
+        (Some(env), None) => {
+            Secret::from_env(env.get_ref()).map_err(|e| problems.at(env, &here("http.secret_env"), e.to_string())).ok()
+        }
+        (None, Some(file)) => {
+            let path = expanded(problems, file, &here("http.secret_file"))?;
+            Secret::from_file(std::path::Path::new(&path))
+                .map_err(|e| problems.at(file, &here("http.secret_file"), e.to_string()))
+                .ok()
+        }
+        _ => {
+            problems.at(
+                kind,
+                &here("http.signature"),
+                "needs its secret: set exactly one of secret_env (an environment variable's name) or secret_file",
+            );
+            None
+        }
+    };
+    let only = |problems: &mut Problems<'_>, set: bool, key: &str, with: &str| {
+        if set {
+            problems.at(kind, &here(key), format!("applies only to signature = \"{with}\": remove it"));
+        }
+    };
+    let signature = match kind.get_ref().as_str() {
+        "stripe" => {
+            only(
+                problems,
+                h.signature_header.is_some() || h.signature_prefix.is_some(),
+                "http.signature_header",
+                "hmac",
+            );
+            only(problems, h.signature_encoding.is_some(), "http.signature_encoding", "hmac");
+            let tolerance = match &h.tolerance {
+                Some(t) => duration(problems, t, &here("http.tolerance"))?,
+                None => Duration::from_secs(300),
+            };
+            Signature::Stripe { secret: secret?, tolerance }
+        }
+        "github" => {
+            only(problems, h.tolerance.is_some(), "http.tolerance", "stripe");
+            only(
+                problems,
+                h.signature_header.is_some() || h.signature_prefix.is_some(),
+                "http.signature_header",
+                "hmac",
+            );
+            only(problems, h.signature_encoding.is_some(), "http.signature_encoding", "hmac");
+            Signature::GitHub { secret: secret? }
+        }
+        "hmac" => {
+            only(problems, h.tolerance.is_some(), "http.tolerance", "stripe");
+            let Some(header) = &h.signature_header else {
+                problems.at(kind, &here("http.signature_header"), "hmac needs the header that holds the signature");
+                return None;
+            };
+            let encoding = match h.signature_encoding.as_ref().map(|e| (e, e.get_ref().as_str())) {
+                None | Some((_, "hex")) => Encoding::Hex,
+                Some((_, "base64")) => Encoding::Base64,
+                Some((e, other)) => {
+                    problems.at(
+                        e,
+                        &here("http.signature_encoding"),
+                        format!("`{other}` is no encoding: use hex or base64"),
+                    );
+                    return None;
+                }
+            };
+            Signature::Hmac {
+                header: header.get_ref().to_ascii_lowercase(),
+                prefix: h.signature_prefix.clone().unwrap_or_default(),
+                encoding,
+                secret: secret?,
+            }
+        }
+        other => {
+            problems.at(
+                kind,
+                &here("http.signature"),
+                format!("`{other}` is no signature: use stripe, github or hmac"),
+            );
+            return None;
+        }
+    };
+    Some(Some(signature))
+}
+
+fn line_of(problems: &Problems<'_>, at: &toml::Spanned<String>) -> usize {
+    problems.text.line(at.span().start)
 }
