@@ -38,7 +38,7 @@ pub struct ProduceArgs {
 }
 
 /// What the producer wrote, and so what the ledger must hold.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(super) struct Plan {
     pub(super) events: u64,
     pub(super) producer_duplicates: u64,

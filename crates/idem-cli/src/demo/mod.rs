@@ -21,6 +21,7 @@ use crate::with_pool;
 mod chain;
 mod events;
 mod held;
+mod http;
 mod service;
 mod summary;
 mod transport;
@@ -104,6 +105,13 @@ pub struct DemoArgs {
     /// beside the log, printed with --dir) instead of the demo's Rust handler; the same crashes and checks.
     #[arg(long, conflicts_with = "chain")]
     service: bool,
+    /// Feed the ledger over HTTP instead of a broker: `idem run` serves `[consumer.http]` (written beside the
+    /// database) and is killed --crashes times (between the commit and the answer, at a random moment, before the
+    /// commit); 16 clients send each payment with its Idempotency-Key, give up on their first try after a few
+    /// milliseconds, send some again after their answer and some three times at once, and retry until answered.
+    /// The ledger must be exact and every answer of a key the same.
+    #[arg(long, conflicts_with_all = ["kafka", "nats", "rabbitmq", "sqs", "pubsub", "chain", "service"])]
+    http: bool,
     /// Keep the log (and SQLite file) in this directory instead of a temporary one removed at the end.
     #[arg(long)]
     dir: Option<PathBuf>,
@@ -142,6 +150,15 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         eprintln!("generating {} payment events (seed {seed}) and producing them…", args.events);
     }
     let (plan, records) = generate(args.events, args.duplicates, seed);
+    if args.http {
+        let summary = http::demo(&args, &db, &url, &dir, &plan, &records, seed).await;
+        if temporary {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        let summary = summary?;
+        print_summary(&summary, args.json)?;
+        return Ok(if summary.ok { ExitCode::SUCCESS } else { ExitCode::FAILURE });
+    }
     let run_id = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
     let transport = Transport::produce(&args, run_id, &log_dir, &records).await?;
     if !args.json {

@@ -55,6 +55,12 @@ pub(super) fn config(transport: &Transport, batch_size: usize, connections: i32)
             ),
         ),
     };
+    ledger("json:/idempotencyKey", &group, &source, batch_size, connections)
+}
+
+/// The ledger's consumer keyed by `key`, in `group`, reading from `source` (its TOML line).
+pub(super) fn ledger(key: &str, group: &str, source: &str, batch_size: usize, connections: i32) -> String {
+    let q = |s: &str| serde_json::to_string(s).unwrap_or_default();
     format!(
         r#"# The payments ledger of `idem demo`, as configuration: `idem run --config` applies each payment once.
 [database]
@@ -65,7 +71,7 @@ connections = {connections}
 [[consumer]]
 name = "ledger"
 group = {group}
-key = "json:/idempotencyKey"
+key = {key}
 batch_size = {batch_size}
 {source}
 
@@ -81,7 +87,8 @@ sql = "INSERT INTO {PREFIX}ledger (event_id, account, amount) VALUES (:id, :acco
 sql = "UPDATE {PREFIX}accounts SET balance = balance + :amount, credits = credits + 1 WHERE id = :account"
 expect_rows = 1   # an unknown account is dead-lettered, not silently skipped
 "#,
-        group = q(&group)
+        group = q(group),
+        key = q(key),
     )
 }
 

@@ -4,6 +4,7 @@ use serde::Serialize;
 
 use super::chain::ChainSummary;
 use super::held::HeldBack;
+use super::http::HttpFigures;
 
 /// What the demo reports.
 #[derive(Debug, Default, Serialize)]
@@ -39,6 +40,9 @@ pub(super) struct Summary {
     /// events it delivered).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) held_back: Option<HeldBack>,
+    /// With `--http`: what the clients and the server went through.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) http: Option<HttpFigures>,
 }
 
 /// Prints the summary as a table, or as one JSON object with `json`.
@@ -65,6 +69,9 @@ pub(super) fn print_summary(s: &Summary, json: bool) -> anyhow::Result<()> {
     println!("  throughput             {:>12.0}  deliveries/s ({:.1} s)", s.throughput_per_second, s.consume_seconds);
     if let Some(held) = &s.held_back {
         println!("{}", held.line());
+    }
+    for line in s.http.iter().flat_map(HttpFigures::lines) {
+        println!("{line}");
     }
     for line in s.chain.iter().flat_map(ChainSummary::lines) {
         println!("{line}");
