@@ -126,6 +126,11 @@ if command -v systemd-analyze >/dev/null 2>&1; then
   systemd-analyze verify "$unit_dir/idem@ledger.service"
   rm -rf "$unit_dir"
 fi
+# wrk (Debian's package) loads the HTTP ingress in the benchmark for a few seconds, bounded by its -d.
+if ! command -v wrk >/dev/null 2>&1; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends wrk >/dev/null \
+    || echo "bench: wrk could not be installed; the HTTP legs are skipped" >&2
+fi
 # The benchmark's small version: every leg runs and every ledger total is right (speeds are not checked).
 # The Kafka leg is left to the Kafka tests above: the loopback broker delivers a few hundred messages a second.
 venv="${IDEM_BENCH_VENV:-$HOME/.cache/idem-tools/bench-venv}"

@@ -309,6 +309,15 @@ where
         .expect("prune");
     assert_eq!(pool.scalar("SELECT COUNT(*) FROM http_responses WHERE event_id = 'old'").await, 0);
     assert_eq!(pool.scalar("SELECT COUNT(*) FROM http_responses WHERE event_id = 'new'").await, 1);
+
+    // A marker pruned before its reply: the key is new again, and its new reply replaces the old one.
+    pool.exec("DELETE FROM processed_events WHERE event_id = 'new'").await;
+    let again = post(addr, "/payments", &[("Idempotency-Key", "new")], &body("new", 2, "")).await;
+    assert_eq!(again.status, 201, "{}", again.body);
+    assert!(again.header(idem::ingress::REPLAYED).is_none(), "applied as new");
+    let replay = post(addr, "/payments", &[("Idempotency-Key", "new")], &body("new", 2, "")).await;
+    assert_eq!((replay.status, replay.body.as_str()), (201, again.body.as_str()), "the new reply is the stored one");
+    assert_eq!(pool.scalar("SELECT COUNT(*) FROM http_responses WHERE event_id = 'new'").await, 1);
 }
 on_every_store!(stored_replies_are_pruned_with_the_markers);
 

@@ -28,6 +28,7 @@ mod brokers;
 mod configured;
 mod console;
 mod failing_key;
+mod http;
 mod idem_legs;
 mod kafka;
 mod mysql;
@@ -332,6 +333,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
     legs.extend(brokers::run(&pool, &args, &wanted, &progress, &mut notes).await?);
     legs.extend(outbox::run(&pool, &args, &work, &wanted, &progress, &mut notes).await?);
     legs.extend(mysql::run(&args, &work, &wanted, &progress, &mut notes).await?);
+    legs.extend(http::run(&args, &wanted, &progress, &mut notes).await?);
 
     let mut pages = Vec::new();
     let name = format!("console list pages at {} dead letters and {} markers", args.console_rows, args.console_rows);
@@ -387,7 +389,7 @@ async fn fresh_tables(pool: &PgPool, accounts: i64) -> anyhow::Result<Tables> {
     for sql in [
         "DROP TABLE IF EXISTS bench_processed_events, bench_dead_letters, bench_idem_migrations, bench_accounts, \
          bench_sequence_instance, bench_sequenced_message, bench_sequential_inbox_idempotence, bench_outbox, \
-         bench_outbox_lease CASCADE",
+         bench_outbox_lease, bench_http_responses CASCADE",
         "DROP SEQUENCE IF EXISTS bench_seq",
         "CREATE SEQUENCE bench_seq",
         "CREATE TABLE bench_accounts (id bigint PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)",

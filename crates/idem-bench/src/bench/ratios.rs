@@ -38,6 +38,11 @@ pub(super) fn ratios(legs: &[Leg]) -> Vec<(String, f64)> {
         median(super::failing_key::PARKED),
         median(super::failing_key::PARKED_CONTROL),
     );
+    ratio(
+        "HTTP: idem ingress ÷ the handler's transaction alone".into(),
+        median(super::http::INGRESS),
+        median(super::http::RAW),
+    );
     let reference = median("reference handler (Python, psycopg 3)");
     for batch in [100, 1_000] {
         let per_message = median(&format!("idem batched {batch}, per-message handler"));

@@ -45,10 +45,24 @@ pub trait StoredResponses: Store {
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 }
 
-/// The three statements in a store's style: insert, select, bounded delete.
+/// The three statements in a store's style: insert, select, bounded delete. The insert replaces a row already
+/// there: the marker was claimed new in the same transaction, so such a row is a reply whose marker expired first
+/// (pruned between the two deletes), and the new reply is the one a retry must get.
 pub(crate) fn statements(tables: &Tables, style: Style) -> [String; 3] {
-    let insert = "INSERT INTO {t}http_responses (consumer_group, event_id, status, headers, body, stored_at_ms)
-                  VALUES (?, ?, ?, ?, ?, ?)";
+    let insert = match style {
+        Style::MySql => {
+            "INSERT INTO {t}http_responses (consumer_group, event_id, status, headers, body, stored_at_ms)
+             VALUES (?, ?, ?, ?, ?, ?)
+             ON DUPLICATE KEY UPDATE status = VALUES(status), headers = VALUES(headers), body = VALUES(body),
+                                     stored_at_ms = VALUES(stored_at_ms)"
+        }
+        Style::Postgres | Style::Sqlite => {
+            "INSERT INTO {t}http_responses (consumer_group, event_id, status, headers, body, stored_at_ms)
+             VALUES (?, ?, ?, ?, ?, ?)
+             ON CONFLICT (consumer_group, event_id) DO UPDATE SET status = excluded.status, headers = excluded.headers,
+                 body = excluded.body, stored_at_ms = excluded.stored_at_ms"
+        }
+    };
     let select = "SELECT status, headers, body FROM {t}http_responses WHERE consumer_group = ? AND event_id = ?";
     // MySQL deletes with a LIMIT of its own (it refuses one in an IN subquery); the others pick the rows first.
     let delete = match style {
