@@ -58,6 +58,16 @@ pub fn describe() {
         "How long the group's oldest parked message has waited"
     );
     describe_counter!(
+        "http_ingress_responses_total",
+        Unit::Count,
+        "Requests the HTTP ingress answered after reaching its transaction, by status"
+    );
+    describe_counter!(
+        "http_ingress_refused_total",
+        Unit::Count,
+        "Requests the HTTP ingress refused before any transaction, by reason: signature, key"
+    );
+    describe_counter!(
         "immediate_retries_total",
         Unit::Count,
         "Immediate retries while the partition waits, by cause: handler (retryable error), database (unavailable)"

@@ -386,3 +386,146 @@ async fn slow_clients_are_cut_off_and_a_shutdown_answers_what_is_in_progress() {
     assert_eq!(ledger_rows(&db.pool, "pay-g").await, 1);
     assert_eq!(markers(&db.pool, "sl").await, 0);
 }
+
+/// Requests of any shape: random bytes, or a request line with random headers, keys, signatures and bodies.
+fn raw_requests() -> impl proptest::strategy::Strategy<Value = Vec<u8>> {
+    use proptest::prelude::*;
+    let header = prop_oneof![
+        Just("Idempotency-Key".to_owned()),
+        Just("X-Hub-Signature-256".to_owned()),
+        Just("Content-Length".to_owned()),
+        Just("Transfer-Encoding".to_owned()),
+        "[A-Za-z-]{1,12}",
+    ];
+    let value = prop_oneof![
+        "sha256=[0-9a-f]{0,70}",
+        "[ -~]{0,40}",
+        prop::collection::vec(any::<u8>(), 0..24).prop_map(|b| String::from_utf8_lossy(&b).into_owned()),
+    ];
+    let body = prop_oneof![
+        Just(r#"{"id":"k","amount":1}"#.to_owned()),
+        r#"\{"id":"[a-z0-9]{0,6}","amount":-?[0-9]{1,20}\}"#,
+        "[ -~]{0,200}",
+    ];
+    let path = prop_oneof![Just("/payments".to_owned()), "/[a-z./%]{0,16}"];
+    let method = prop_oneof![Just("POST"), Just("GET"), Just("PUT"), "[A-Z]{1,8}".prop_map(|_| "PATCH")];
+    let shaped = (method, path, prop::collection::vec((header, value), 0..6), body, any::<bool>()).prop_map(
+        |(method, path, headers, body, with_length)| {
+            let mut request = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
+            for (name, value) in headers {
+                request.push_str(&format!("{name}: {value}\r\n"));
+            }
+            if with_length {
+                request.push_str(&format!("Content-Length: {}\r\n", body.len()));
+            }
+            request.push_str("\r\n");
+            request.push_str(&body);
+            request.into_bytes()
+        },
+    );
+    prop_oneof![4 => shaped, 1 => prop::collection::vec(any::<u8>(), 0..300)]
+}
+
+/// Any bytes sent to a signed endpoint are answered 4xx (or the connection closed): never a server error, never
+/// applied, nothing stored. `PROPTEST_CASES` raises the count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_request_is_answered_without_a_server_error_and_a_forged_one_stores_nothing() {
+    use proptest::test_runner::{Config as Cases, TestCaseError, TestRunner};
+    let db = common::sqlite().await;
+    setup(&db.pool).await;
+    let limits = Limits {
+        max_body_bytes: 1024,
+        request_timeout: Duration::from_millis(300),
+        header_timeout: Duration::from_millis(300),
+        ..Limits::default()
+    };
+    let github = Signature::GitHub { secret: Secret::new("webhook-secret") };
+    let addr = serve(&db.pool, Options { signature: Some(github), limits }).await;
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(256);
+    let handle = tokio::runtime::Handle::current();
+    let mut runner = TestRunner::new(Cases { cases, ..Cases::default() });
+    let result = tokio::task::block_in_place(|| {
+        runner.run(&raw_requests(), |raw| {
+            let answer = handle.block_on(async {
+                let Ok(mut conn) = tokio::net::TcpStream::connect(addr).await else { return Err("connect".to_owned()) };
+                let _ = conn.write_all(&raw).await;
+                let _ = conn.shutdown().await;
+                let mut back = Vec::new();
+                let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut back)).await;
+                Ok(String::from_utf8_lossy(&back).into_owned())
+            });
+            let answer = answer.map_err(TestCaseError::fail)?;
+            let status: u16 = answer.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+            if !(answer.is_empty() || (400..500).contains(&status)) {
+                return Err(TestCaseError::fail(format!(
+                    "{:?} was answered {answer:?}",
+                    String::from_utf8_lossy(&raw)
+                )));
+            }
+            Ok(())
+        })
+    });
+    result.expect("every request answered 4xx or closed");
+    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM processed_events").await, 0, "nothing applied");
+    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM http_responses").await, 0, "nothing stored");
+    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM dead_letters").await, 0, "nothing dead-lettered");
+}
+
+fn every_signature() -> Vec<Signature> {
+    let secret = || Secret::new("s3cret");
+    vec![
+        Signature::Stripe { secret: secret(), tolerance: Duration::from_secs(300) },
+        Signature::GitHub { secret: secret() },
+        Signature::Hmac {
+            header: "x-signature".into(),
+            prefix: "sha256=".into(),
+            encoding: idem::ingress::Encoding::Hex,
+            secret: secret(),
+        },
+        Signature::Hmac {
+            header: "x-signature".into(),
+            prefix: String::new(),
+            encoding: idem::ingress::Encoding::Base64,
+            secret: secret(),
+        },
+    ]
+}
+
+proptest::proptest! {
+    /// Each form accepts its own signature of the body, and nothing else: not a changed body, not any other
+    /// header value, not a Stripe timestamp outside the tolerance. No input panics.
+    #[test]
+    fn a_signature_accepts_only_its_own(
+        body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..128),
+        forged in "[ -~]{0,100}",
+        flip in proptest::prelude::any::<usize>(),
+        skew in 0u64..1_000,
+    ) {
+        use axum::http::{HeaderMap, HeaderName, HeaderValue};
+        let now = SystemTime::now();
+        for signature in every_signature() {
+            let name = HeaderName::try_from(signature.header()).expect("header name");
+            let headers = |value: &str| {
+                let mut map = HeaderMap::new();
+                if let Ok(value) = HeaderValue::try_from(value) {
+                    map.insert(name.clone(), value);
+                }
+                map
+            };
+            let signed = idem::ingress::signature::sign(&signature, &body, now);
+            proptest::prop_assert!(signature.verify(&headers(&signed), &body, now).is_ok());
+            proptest::prop_assert!(signature.verify(&headers(&forged), &body, now).is_err(), "{forged}");
+            proptest::prop_assert!(signature.verify(&HeaderMap::new(), &body, now).is_err());
+            if !body.is_empty() {
+                let mut changed = body.clone();
+                changed[flip % body.len()] ^= 1;
+                proptest::prop_assert!(signature.verify(&headers(&signed), &changed, now).is_err());
+            }
+            if let Signature::Stripe { tolerance, .. } = &signature {
+                let later = now + *tolerance + Duration::from_secs(1 + skew);
+                let err = signature.verify(&headers(&signed), &body, later).expect_err("a replay outside the tolerance");
+                proptest::prop_assert!(err.to_string().contains("tolerance"), "{err}");
+            }
+        }
+    }
+}
