@@ -101,15 +101,14 @@ pub struct OptionalBrokerFlags {
     pub pubsub: Option<String>,
 }
 
+/// What a command that publishes says when no broker flag names where.
+pub const NO_BROKER: &str = "where to publish: give --log-dir DIR, --kafka BROKERS, --nats URL, --rabbitmq URL, --sqs \
+     ENDPOINT or --pubsub PROJECT (each message goes back to the topic, subject or queue it came from)";
+
 impl OptionalBrokerFlags {
     /// The broker the flags name, where a command needs one (`idem dead-letters replay`).
     pub fn required(self) -> anyhow::Result<BrokerTarget> {
-        self.target().ok_or_else(|| {
-            anyhow::anyhow!(
-                "where to publish: give --log-dir DIR, --kafka BROKERS, --nats URL, --rabbitmq URL, --sqs ENDPOINT \
-                 or --pubsub PROJECT (each message goes back to the topic, subject or queue it came from)"
-            )
-        })
+        self.target().ok_or_else(|| anyhow::anyhow!(NO_BROKER))
     }
 
     /// The broker the flags name, if one.

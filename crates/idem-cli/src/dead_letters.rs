@@ -159,8 +159,9 @@ pub async fn run(command: DeadLetterCommand) -> anyhow::Result<ExitCode> {
         DeadLetterCommand::List { db, select, limit, json } => list(&db, &select.filter()?, limit, json).await,
         DeadLetterCommand::Groups { db, select, json } => groups(&db, &select.filter()?, json).await,
         DeadLetterCommand::Replay { db, to, ids, all, select, force, dry_run, json, actor } => {
-            // A dry run publishes nothing: it needs no broker.
-            let target = if dry_run { to.target() } else { Some(to.required()?) };
+            // A dry run publishes nothing, nor does the replay of HTTP requests (it releases their keys): neither
+            // needs a broker (see `replay`).
+            let target = to.target();
             let safety = if force { Safety::Forced } else { Safety::Checked };
             let filter = select.filter()?;
             let chosen = Chosen { ids: &ids, all, filter: &filter };
@@ -295,12 +296,15 @@ async fn replay(
     let forced = if safety == Safety::Forced { ", forced" } else { "" };
     let refused_subjects = format!("{}{forced}", chosen.subjects(&[]));
     let letters = taken(&db, &tables, chosen, how, "replay", refused_subjects).await?;
-    // Without a broker (a dry run's), only the check runs.
-    let tally = if let (false, Some(target)) = (how.dry_run, target) {
+    if !how.dry_run && target.is_none() && !letters.iter().all(idem::dead_letter::is_http_request) {
+        bail!(crate::commands::NO_BROKER);
+    }
+    // A dry run only checks.
+    let tally = if !how.dry_run {
         let tally = replay_to(&db, &tables, target, &letters, safety, how).await;
         let taken: Vec<i64> = letters.iter().map(|l| l.id).collect();
         let subjects = format!("{}{forced}", chosen.subjects(&taken));
-        let count = tally.as_ref().map_or(0, |t| t.replayed.len() as i64);
+        let count = tally.as_ref().map_or(0, |t| (t.replayed.len() + t.released.len()) as i64);
         let outcome = match &tally {
             Ok(tally) => tally.outcome(),
             Err(error) => Err(format!("{error:#}")),
@@ -332,6 +336,12 @@ fn progress(how: &Acting, letter: &DeadLetter, replayed: Replayed) {
     match replayed {
         Replayed::Published if how.dry_run => println!("would replay {} ({event})", letter.id),
         Replayed::Published => println!("replayed {} ({event})", letter.id),
+        Replayed::Released if how.dry_run => {
+            println!("would release {} ({event}): an HTTP request, its client's next retry applied as new", letter.id)
+        }
+        Replayed::Released => {
+            println!("released {} ({event}): an HTTP request, its client's next retry is applied as new", letter.id)
+        }
         Replayed::Gone => println!("{}: gone (replayed or discarded meanwhile)", letter.id),
         Replayed::Busy { since_ms } => eprintln!(
             "{}: being replayed by another operator since {}; nothing published for it",
@@ -350,6 +360,10 @@ fn report(tally: &Tally, how: &Acting) {
     }
     let summary = if how.dry_run { "would be replayed" } else { "replayed" };
     println!("{} dead letter(s) {summary}", tally.replayed.len());
+    if !tally.released.is_empty() {
+        let released = if how.dry_run { "would have their keys released" } else { "had their keys released" };
+        println!("{} HTTP request(s) {released}", tally.released.len());
+    }
     if !tally.refused.is_empty() {
         eprintln!("{} dead letter(s) refused (see above); nothing was published for them", tally.refused.len());
     }
@@ -359,14 +373,21 @@ fn report(tally: &Tally, how: &Acting) {
 async fn replay_to(
     db: &Db,
     tables: &Tables,
-    target: &BrokerTarget,
+    target: Option<&BrokerTarget>,
     letters: &[DeadLetter],
     safety: Safety,
     how: &Acting,
 ) -> anyhow::Result<Tally> {
-    let publisher = target.publisher().await?;
-    Ok(with_pool!(db, pool =>
-        idem::dead_letter::replay_each(pool, tables, &publisher, letters, safety, |l, r| progress(how, l, r)).await))
+    // Without a broker, only HTTP requests are taken (see `replay`): their replays publish nothing.
+    Ok(match target {
+        Some(target) => {
+            let publisher = target.publisher().await?;
+            with_pool!(db, pool =>
+                idem::dead_letter::replay_each(pool, tables, &publisher, letters, safety, |l, r| progress(how, l, r)).await)
+        }
+        None => with_pool!(db, pool => idem::dead_letter::replay_each(
+            pool, tables, &idem::dead_letter::NoBroker, letters, safety, |l, r| progress(how, l, r)).await),
+    })
 }
 
 async fn discard(args: &DbArgs, chosen: &Chosen<'_>, reason: &str, how: &Acting) -> anyhow::Result<ExitCode> {

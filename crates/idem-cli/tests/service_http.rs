@@ -101,6 +101,20 @@ async fn idem_run_applies_each_webhook_once_and_answers_its_retries_the_same() {
     assert_eq!(db.scalar(&format!("SELECT balance FROM {p}accounts WHERE id = 2")).await, 40);
     assert_eq!(db.scalar(&format!("SELECT COUNT(*) FROM {p}dead_letters")).await, 1);
 
+    // The cause fixed (account 99 opened), the request's replay releases its key without a broker flag, and the
+    // sender's next retry is applied.
+    db.exec(&format!("INSERT INTO {p}accounts (id) VALUES (99)")).await;
+    let url = db.url.clone();
+    let replay = idem()
+        .args(["dead-letters", "replay", "--all", "--database-url", &url, "--table-prefix", p.as_str()])
+        .output()
+        .expect("idem dead-letters replay");
+    let out = text(&replay);
+    assert!(replay.status.success() && out.contains("released") && out.contains("1 HTTP request(s)"), "{out}");
+    let retried = post(&addr, &missing_headers, &missing_body);
+    assert_eq!(retried.0, 200, "{retried:?}");
+    assert_eq!(db.scalar(&format!("SELECT balance FROM {p}accounts WHERE id = 99")).await, 5);
+
     // SAFETY: signalling our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let output = child.wait_with_output().expect("exit");

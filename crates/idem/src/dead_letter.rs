@@ -14,6 +14,11 @@
 //!
 //! The copy carries the header `idem-replay-for: <group>`: other consumer groups of the topic skip it (it was
 //! delivered to them the first time), so a replay re-runs one group's handler only.
+//!
+//! An HTTP request's dead letter (one the ingress wrote, [`HTTP_REQUEST_HEADER`]) has no broker to go back to, and
+//! its client retries on its own (a webhook sender retries a `422` for days): its replay **releases its key**
+//! instead. A copy goes to the archive, step 1 deletes its marker, step 3 deletes the row, and nothing is
+//! published: the client's next retry is applied as new ([`Replayed::Released`]).
 
 pub mod groups;
 pub mod selection;
@@ -27,6 +32,27 @@ pub use crate::store::ReplayRisk;
 
 /// The header that addresses a replayed copy to one consumer group.
 pub const REPLAY_FOR_HEADER: &str = "idem-replay-for";
+
+/// The header the HTTP ingress puts on each request's message (its value: the request's path); a request cannot
+/// set it.
+pub const HTTP_REQUEST_HEADER: &str = "idem-http-request";
+
+/// The publisher of a replay that has no broker: an HTTP request's replay publishes nothing and goes ahead, any
+/// other letter's fails, naming the broker flags.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoBroker;
+
+impl Publisher for NoBroker {
+    async fn publish(&self, message: &crate::message::Message) -> Result<(), crate::source::SourceError> {
+        Err(crate::source::SourceError::permanent(
+            "replay",
+            format!(
+                "no broker was named to publish a copy to {}: only HTTP requests are replayed without one",
+                message.topic
+            ),
+        ))
+    }
+}
 
 /// How the reason of an id-reuse dead letter starts.
 pub const ID_REUSED_PREFIX: &str = "id_reused:";
@@ -56,6 +82,9 @@ pub enum Safety {
 pub enum Replayed {
     /// The copy is published.
     Published,
+    /// An HTTP request's key is released (its marker deleted, the letter archived): nothing is published, the
+    /// client's next retry is applied as new.
+    Released,
     /// No dead letter has that id any more.
     Gone,
     /// Another replay of it is at work (begun less than [`crate::store::replay::REPLAY_LEASE`] ago): nothing done.
@@ -92,6 +121,11 @@ impl ReplayRisk {
                  outbox with `idem outbox requeue {}` (or the console's outbox page)",
                 letter.id,
                 letter.consumer_group.trim_start_matches("outbox:"),
+                letter.id
+            ),
+            ReplayRisk::HttpRequest => format!(
+                "dead letter {} is an HTTP request: it cannot be edited and replayed, as its client sends it again. \
+                 Replay it unedited to release its key (its client's next retry is applied as new), or discard it",
                 letter.id
             ),
             ReplayRisk::AppliedSince => format!(
@@ -135,6 +169,9 @@ async fn publish_copy<DB: Backend, P: Publisher>(
     payload: Option<Vec<u8>>,
     safety: Safety,
 ) -> Result<Replayed, Error> {
+    if is_http_request(letter) {
+        return release(pool, tables, letter, safety).await;
+    }
     let start = DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, false).await?;
     if let Some(not_started) = not_started(start) {
         return Ok(not_started);
@@ -154,6 +191,39 @@ async fn publish_copy<DB: Backend, P: Publisher>(
     }
     DB::finish_replay(pool, tables, letter.id).await?;
     Ok(Replayed::Published)
+}
+
+/// An HTTP request's replay: after the same checks, a copy of the letter goes to the archive (the request stays at
+/// hand should its client never retry), then its marker and the row are deleted, so that the client's next retry
+/// is applied as new. A cut between the steps leaves the row `replaying` (resumed by the next replay after the
+/// lease) or `dead` with an archive copy: nothing applied twice, nothing lost.
+async fn release<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
+    tables: &Tables,
+    letter: &DeadLetter,
+    safety: Safety,
+) -> Result<Replayed, Error> {
+    match check_replay(pool, tables, letter, safety).await? {
+        Replayed::Released => {}
+        other => return Ok(other),
+    }
+    let reason = "an HTTP request's key released by a replay: its client's next retry is applied as new";
+    let copy = Discard { actor: "replay", reason, at_ms: crate::engine::now_ms() };
+    if !DB::archive_copy(pool, tables, letter, &copy).await? {
+        return Ok(Replayed::Gone);
+    }
+    let start = DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, false).await?;
+    if let Some(not_started) = not_started(start) {
+        return Ok(not_started);
+    }
+    DB::finish_replay(pool, tables, letter.id).await?;
+    tracing::info!(id = letter.id, consumer_group = %letter.consumer_group, event_id = letter.event_id.as_deref().unwrap_or(""), "an HTTP request's dead letter released: its client's next retry is applied");
+    Ok(Replayed::Released)
+}
+
+/// Whether `letter` is an HTTP request's (the ingress marked its message).
+pub fn is_http_request(letter: &DeadLetter) -> bool {
+    letter.headers.iter().any(|(name, _)| name == HTTP_REQUEST_HEADER)
 }
 
 /// What a replay's first step that did not start means for the operator; `None` when it started.
@@ -178,6 +248,9 @@ pub async fn replay_edited<DB: Backend, P: Publisher>(
     safety: Safety,
     actor: &str,
 ) -> Result<Replayed, Error> {
+    if is_http_request(letter) {
+        return Ok(Replayed::Refused(ReplayRisk::HttpRequest));
+    }
     match check_replay(pool, tables, letter, safety).await? {
         Replayed::Published => {}
         other => return Ok(other),
@@ -194,7 +267,8 @@ pub async fn replay_edited<DB: Backend, P: Publisher>(
     Ok(replayed)
 }
 
-/// What [`replay`] would do with `letter` now, without doing it: `Published` says it would be published.
+/// What [`replay`] would do with `letter` now, without doing it: `Published` says it would be published,
+/// `Released` that its key would be released (an HTTP request's).
 pub async fn check_replay<DB: Backend>(
     pool: &sqlx::Pool<DB>,
     tables: &Tables,
@@ -205,7 +279,8 @@ pub async fn check_replay<DB: Backend>(
         return Ok(Replayed::Refused(risk));
     }
     let start = DB::begin_replay(pool, tables, letter.id, safety == Safety::Forced, true).await?;
-    Ok(not_started(start).unwrap_or(Replayed::Published))
+    let started = if is_http_request(letter) { Replayed::Released } else { Replayed::Published };
+    Ok(not_started(start).unwrap_or(started))
 }
 
 /// What a replay of several letters did (or, checked only, would do), up to the error that stopped it if one did.
@@ -213,6 +288,8 @@ pub async fn check_replay<DB: Backend>(
 pub struct Tally {
     /// Published (or, checked only, would be).
     pub replayed: Vec<i64>,
+    /// HTTP requests whose key was released (or, checked only, would be).
+    pub released: Vec<i64>,
     /// Refused: the id, the risk, and why in words with what to do.
     pub refused: Vec<(i64, ReplayRisk, String)>,
     /// Gone meanwhile (replayed or discarded by someone else).
@@ -227,28 +304,30 @@ impl Tally {
     fn count(&mut self, letter: &DeadLetter, replayed: Replayed) {
         match replayed {
             Replayed::Published => self.replayed.push(letter.id),
+            Replayed::Released => self.released.push(letter.id),
             Replayed::Gone => self.gone.push(letter.id),
             Replayed::Busy { since_ms } => self.busy.push((letter.id, since_ms)),
             Replayed::Refused(risk) => self.refused.push((letter.id, risk, risk.explain(letter))),
         }
     }
 
-    /// The tally as one JSON object: `replayed` (`would_replay` when `dry_run`), `refused` (`id`, `risk`, `why`),
-    /// `gone`, `stopped_by`.
+    /// The tally as one JSON object: `replayed` (`would_replay` when `dry_run`), `released` (`would_release`),
+    /// `refused` (`id`, `risk`, `why`), `gone`, `busy`, `stopped_by`.
     pub fn json(&self, dry_run: bool) -> serde_json::Value {
         let refused: Vec<serde_json::Value> = self
             .refused
             .iter()
             .map(|(id, risk, why)| serde_json::json!({ "id": id, "risk": risk.as_str(), "why": why }))
             .collect();
-        let done = if dry_run { "would_replay" } else { "replayed" };
+        let (done, released) = if dry_run { ("would_replay", "would_release") } else { ("replayed", "released") };
         let busy: Vec<serde_json::Value> = self
             .busy
             .iter()
             .map(|(id, since)| serde_json::json!({ "id": id, "since": crate::store::rfc3339_from_ms(*since) }))
             .collect();
         serde_json::json!({
-            "dry_run": dry_run, done: self.replayed, "refused": refused, "gone": self.gone, "busy": busy,
+            "dry_run": dry_run, done: self.replayed, released: self.released, "refused": refused, "gone": self.gone,
+            "busy": busy,
             "stopped_by": self.stopped_by,
         })
     }
@@ -256,7 +335,7 @@ impl Tally {
     /// How it ended, as the audit trail records it: `Ok` or what went wrong.
     pub fn outcome(&self) -> Result<(), String> {
         if let Some(error) = &self.stopped_by {
-            return Err(format!("stopped after {} replayed: {error}", self.replayed.len()));
+            return Err(format!("stopped after {} replayed: {error}", self.replayed.len() + self.released.len()));
         }
         if !self.refused.is_empty() {
             let ids: Vec<i64> = self.refused.iter().map(|r| r.0).collect();
@@ -278,6 +357,7 @@ impl ReplayRisk {
             ReplayRisk::AppliedSince => "applied_since",
             ReplayRisk::IdReused => "id_reused",
             ReplayRisk::RelayLetter => "relay_letter",
+            ReplayRisk::HttpRequest => "http_request",
         }
     }
 }

@@ -3,16 +3,18 @@
 //! the cause is fixed, and the audit trail names the console's user; the page signs in, refuses a form without its
 //! CSRF token or from another site, confirms with the count before acting, and hides payloads.
 
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use common::{HttpAnswer as Response, http};
 use idem::console::{ConsoleConfig, Role, Users};
 use idem::embedded::{ConsumerOptions, EmbeddedLog};
 use idem::{Config, Engine, Event, Handler, HandlerError, KeyExtractor, KillSwitch, Tables};
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const OPERATOR: &str = "operator-token-of-alice";
 const VIEWER: &str = "viewer-token-of-bob";
@@ -32,42 +34,6 @@ impl Handler<sqlx::Sqlite> for Ledger {
         sqlx::query("INSERT INTO ledger (event_id) VALUES (?)").bind(&event.id).execute(&mut *tx).await?;
         Ok(())
     }
-}
-
-struct Response {
-    status: u16,
-    head: String,
-    body: String,
-}
-
-impl Response {
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
-    }
-
-    fn header(&self, name: &str) -> Option<String> {
-        self.head.lines().find_map(|line| {
-            let (n, v) = line.split_once(':')?;
-            n.eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
-        })
-    }
-}
-
-/// One HTTP/1.1 exchange on a connection of its own.
-async fn http(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Response {
-    let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    for (name, value) in headers {
-        request.push_str(&format!("{name}: {value}\r\n"));
-    }
-    request.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
-    conn.write_all(request.as_bytes()).await.expect("write");
-    let mut raw = Vec::new();
-    conn.read_to_end(&mut raw).await.expect("read");
-    let raw = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    Response { status, head: head.to_owned(), body: body.to_owned() }
 }
 
 async fn api(addr: SocketAddr, method: &str, path: &str, token: &str, body: &str) -> Response {

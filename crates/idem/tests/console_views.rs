@@ -7,30 +7,20 @@ mod common;
 
 use std::net::SocketAddr;
 
-use common::{TestPool, payment, pg};
+use common::{TestPool, http, payment, pg};
 use idem::Tables;
 use idem::console::{ConsoleConfig, Role, Users};
 use idem::store::NewDeadLetter;
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const OPERATOR: &str = "operator-token-of-alice";
 const VIEWER: &str = "viewer-token-of-bob";
 
 async fn api(addr: SocketAddr, method: &str, path: &str, token: &str, body: &str) -> (u16, Value) {
-    let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nAuthorization: Bearer {token}\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    conn.write_all(request.as_bytes()).await.expect("write");
-    let mut raw = Vec::new();
-    conn.read_to_end(&mut raw).await.expect("read");
-    let raw = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    (status, serde_json::from_str(body).unwrap_or(Value::String(body.to_owned())))
+    let bearer = format!("Bearer {token}");
+    let headers = [("Authorization", bearer.as_str()), ("Content-Type", "application/json")];
+    let answer = http(addr, method, path, &headers, body).await;
+    (answer.status, serde_json::from_str(&answer.body).unwrap_or(Value::String(answer.body)))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -191,18 +181,8 @@ async fn outbox_inbox_and_markers_views_act_as_the_command_line_does() {
 
 /// One HTTP/1.1 exchange with these headers: the status and the raw head and body.
 async fn exchange(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
-    let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    for (name, value) in headers {
-        request.push_str(&format!("{name}: {value}\r\n"));
-    }
-    request.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
-    conn.write_all(request.as_bytes()).await.expect("write");
-    let mut raw = Vec::new();
-    conn.read_to_end(&mut raw).await.expect("read");
-    let raw = String::from_utf8_lossy(&raw).into_owned();
-    let status = raw.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    (status, raw)
+    let answer = http(addr, method, path, headers, body).await;
+    (answer.status, answer.raw())
 }
 
 fn cookie_of(raw: &str) -> Option<String> {

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
-use common::{Ledger, TestPool, ledger_rows, markers, setup};
+use common::{HttpAnswer, Ledger, TestPool, ledger_rows, markers, setup};
 use idem::ingress::{Ingress, Limits, Options, Reply, Respond, Secret, Signature};
 use idem::{Backend, Config, Event, Handler, HandlerError, KeyExtractor};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -34,36 +34,9 @@ where
     }
 }
 
-struct Answer {
-    status: u16,
-    head: String,
-    body: String,
-}
-
-impl Answer {
-    fn header(&self, name: &str) -> Option<String> {
-        self.head.lines().find_map(|line| {
-            let (n, v) = line.split_once(':')?;
-            n.eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
-        })
-    }
-}
-
-/// One HTTP/1.1 `POST` on a connection of its own.
-async fn post(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &str) -> Answer {
-    let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let mut request = format!("POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    for (name, value) in headers {
-        request.push_str(&format!("{name}: {value}\r\n"));
-    }
-    request.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
-    conn.write_all(request.as_bytes()).await.expect("write");
-    let mut raw = Vec::new();
-    conn.read_to_end(&mut raw).await.expect("read");
-    let raw = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    Answer { status, head: head.to_owned(), body: body.to_owned() }
+/// One `POST` on a connection of its own.
+async fn post(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &str) -> HttpAnswer {
+    common::http(addr, "POST", path, headers, body).await
 }
 
 fn config() -> Config {
@@ -250,6 +223,61 @@ where
     assert_eq!((again.status, again.body.as_str()), (201, retry.body.as_str()));
 }
 on_every_store!(a_retryable_failure_is_given_back_to_the_client);
+
+/// A publisher that must not be called: an HTTP request's replay publishes nothing.
+struct MustNotPublish;
+
+impl idem::Publisher for MustNotPublish {
+    async fn publish(&self, message: &idem::Message) -> Result<(), idem::SourceError> {
+        panic!("an HTTP request's replay published {}", message.topic)
+    }
+}
+
+/// Once the cause is fixed, a dead-lettered request's replay releases its key (the letter archived, its marker
+/// gone, nothing published): until then its client's retries are answered 422, after it the next retry is applied
+/// once. An edited replay of it is refused.
+async fn a_released_dead_letter_is_applied_on_the_clients_next_retry<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    use idem::dead_letter::{ReplayRisk, Replayed, Safety};
+    setup(&pool).await;
+    let addr = serve(&pool, Options::default()).await;
+    let tables = idem::Tables::default();
+    pool.exec("INSERT INTO blocked (id) VALUES ('pay-r')").await;
+    let payload = body("pay-r", 6, "");
+    let key = [("Idempotency-Key", "pay-r")];
+    assert_eq!(post(addr, "/payments", &key, &payload).await.status, 422);
+    pool.exec("DELETE FROM blocked WHERE id = 'pay-r'").await;
+    assert_eq!(post(addr, "/payments", &key, &payload).await.status, 422, "the key stays answered until released");
+    let letters = idem::dead_letter::list(&pool, &tables, None, 10).await.expect("letters");
+    let letter = letters.iter().find(|l| l.event_id.as_deref() == Some("pay-r")).expect("the request's letter");
+    assert!(idem::dead_letter::is_http_request(letter));
+    let edited = idem::dead_letter::replay_edited(
+        &pool,
+        &tables,
+        &MustNotPublish,
+        letter,
+        b"{}".to_vec(),
+        Safety::Checked,
+        "op",
+    );
+    assert_eq!(edited.await.expect("edit"), Replayed::Refused(ReplayRisk::HttpRequest));
+    let check = idem::dead_letter::check_replay(&pool, &tables, letter, Safety::Checked).await.expect("check");
+    assert_eq!(check, Replayed::Released, "a dry run says it would release");
+    let replayed =
+        idem::dead_letter::replay(&pool, &tables, &MustNotPublish, letter, Safety::Checked).await.expect("replay");
+    assert_eq!(replayed, Replayed::Released);
+    assert_eq!(markers(&pool, "pay-r").await, 0);
+    assert_eq!(pool.scalar("SELECT COUNT(*) FROM dead_letters WHERE event_id = 'pay-r'").await, 0);
+    assert_eq!(pool.scalar("SELECT COUNT(*) FROM dead_letter_archive WHERE event_id = 'pay-r'").await, 1);
+    let retry = post(addr, "/payments", &key, &payload).await;
+    assert_eq!(retry.status, 201, "{}", retry.body);
+    assert_eq!(post(addr, "/payments", &key, &payload).await.body, retry.body);
+    assert_eq!(ledger_rows(&pool, "pay-r").await, 1);
+}
+on_every_store!(a_released_dead_letter_is_applied_on_the_clients_next_retry);
 
 /// A missing or wrong signature is 401 and an oversized body 413: nothing stored, nothing applied.
 async fn refused_requests_store_nothing<DB: Backend>(pool: Pool<DB>)

@@ -191,3 +191,31 @@ async fn the_consumers_span_continues_the_producers_trace_on_kafka() {
     }
     let _ = idem::kafka::delete_topic(&brokers, &topic).await;
 }
+
+/// An HTTP request's `traceparent` is the parent of the span its transaction runs in (the ingress).
+#[tokio::test]
+async fn an_http_requests_traceparent_is_the_parent_of_its_span() {
+    let exporter = exporter();
+    let db = common::sqlite().await;
+    idem::migrate(&db.pool, &Tables::default()).await.expect("migrate");
+    let config = Config::new("traced-api", KeyExtractor::Header("Idempotency-Key".into()));
+    let ingress = idem::ingress::Ingress::new(
+        db.pool.clone(),
+        config,
+        idem::ingress::Acknowledge(Apply),
+        idem::ingress::Options::default(),
+    )
+    .expect("ingress");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { ingress.serve(listener, "/traced", std::future::pending()).await });
+    let (trace, parent) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
+    let traceparent = format!("00-{trace}-{parent}-01");
+    let headers = [("Idempotency-Key", "traced-1"), ("traceparent", traceparent.as_str())];
+    let answer = common::http(addr, "POST", "/traced", &headers, "{}").await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let span = spans(&exporter, "process /traced", "traced-1").pop().expect("the request's span");
+    assert_eq!(attribute(&span, "messaging.system"), "http");
+    assert_eq!(span.span_context.trace_id(), TraceId::from_hex(trace).expect("trace id"));
+    assert_eq!(span.parent_span_id, SpanId::from_hex(parent).expect("span id"));
+}

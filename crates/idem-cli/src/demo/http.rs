@@ -123,16 +123,8 @@ pub(super) async fn demo(
             args.crashes
         );
     }
-    let mut summary = Summary {
-        database: db.name(),
-        consumer: "idem run serving [consumer.http] (effects declared as SQL)",
-        events_produced: plan.events,
-        producer_duplicates: plan.producer_duplicates,
-        log_records: plan.records,
-        expected_total_cents: plan.expected_total,
-        expected_ledger_entries: plan.expected_entries,
-        ..Summary::default()
-    };
+    let consumer = "idem run serving [consumer.http] (effects declared as SQL)";
+    let mut summary = Summary::planned(db.name(), consumer, plan);
     let figures = run(args, &config, url, &addr, records, seed, &mut summary).await?;
     let stored = Plan { poison: plan.poison_with_key, ..plan.clone() };
     super::verify(db, &stored, &mut summary).await?;

@@ -168,15 +168,6 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         );
     }
 
-    let mut summary = Summary {
-        database: db.name(),
-        events_produced: plan.events,
-        producer_duplicates: plan.producer_duplicates,
-        log_records: plan.records,
-        expected_total_cents: plan.expected_total,
-        expected_ledger_entries: plan.expected_entries,
-        ..Summary::default()
-    };
     let started = Instant::now();
     let announce = args.chain.then(|| chain::topic(&transport));
     let extra: Vec<String> = announce.iter().flat_map(|t| ["--announce".to_owned(), t.clone()]).collect();
@@ -184,8 +175,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         true => Some(service::write(&dir, &transport, args.batch_size, args.partitions + 2)?),
         false => None,
     };
-    summary.consumer =
+    let consumer =
         if service.is_some() { "idem run --config (effects declared as SQL)" } else { "demo's Rust handler" };
+    let mut summary = Summary::planned(db.name(), consumer, &plan);
     let mut consumed =
         consume(&args, &transport, &url, plan.records, seed, &extra, service.as_deref(), &mut summary).await;
     summary.consume_seconds = started.elapsed().as_secs_f64();

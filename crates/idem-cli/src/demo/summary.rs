@@ -3,6 +3,7 @@
 use serde::Serialize;
 
 use super::chain::ChainSummary;
+use super::events::Plan;
 use super::held::HeldBack;
 use super::http::HttpFigures;
 
@@ -43,6 +44,22 @@ pub(super) struct Summary {
     /// With `--http`: what the clients and the server went through.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) http: Option<HttpFigures>,
+}
+
+impl Summary {
+    /// The summary of a run of `plan`'s events on `database`, consumed by `consumer`, before it starts.
+    pub(super) fn planned(database: &'static str, consumer: &'static str, plan: &Plan) -> Summary {
+        Summary {
+            database,
+            consumer,
+            events_produced: plan.events,
+            producer_duplicates: plan.producer_duplicates,
+            log_records: plan.records,
+            expected_total_cents: plan.expected_total,
+            expected_ledger_entries: plan.expected_entries,
+            ..Summary::default()
+        }
+    }
 }
 
 /// Prints the summary as a table, or as one JSON object with `json`.

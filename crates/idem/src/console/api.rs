@@ -189,14 +189,6 @@ impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
         {
             return Err((StatusCode::BAD_REQUEST, format!("reason: {why}")));
         }
-        if verb == "replay" && self.publisher.is_none() && !request.dry_run {
-            return Err((
-                StatusCode::CONFLICT,
-                "this console has no broker to replay to: start it with one (idem console --log-dir DIR | --kafka \
-                 BROKERS | …)"
-                    .into(),
-            ));
-        }
         let forced = if request.force && verb == "replay" { ", forced" } else { "" };
         let with_reason = if verb == "discard" { format!(", reason: {reason}") } else { String::new() };
         if request.ids.is_empty() && !request.all && !filter.narrows() {
@@ -245,6 +237,19 @@ impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
                 return Err((StatusCode::CONFLICT, why));
             }
         };
+        // HTTP requests' replays publish nothing (they release their keys); any other replay needs the broker.
+        if verb == "replay"
+            && self.publisher.is_none()
+            && !request.dry_run
+            && !letters.iter().all(crate::dead_letter::is_http_request)
+        {
+            return Err((
+                StatusCode::CONFLICT,
+                "this console has no broker to replay to: start it with one (idem console --log-dir DIR | --kafka \
+                 BROKERS | …)"
+                    .into(),
+            ));
+        }
         let ids: Vec<i64> = letters.iter().map(|l| l.id).collect();
         let subjects = format!("{}{forced}{with_reason}", chosen.subjects(&ids));
         let safety = if request.force { Safety::Forced } else { Safety::Checked };
@@ -255,12 +260,20 @@ impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
                 tally.gone.extend(gone);
                 Ok((Acted::Replayed(tally), None))
             }
-            ("replay", false, Some(publisher)) => {
-                let mut tally =
-                    crate::dead_letter::replay_each(&self.pool, &self.tables, publisher, &letters, safety, |_, _| {})
-                        .await;
+            ("replay", false, publisher) => {
+                let (pool, tables) = (&self.pool, &self.tables);
+                let mut tally = match publisher {
+                    Some(publisher) => {
+                        crate::dead_letter::replay_each(pool, tables, publisher, &letters, safety, |_, _| {}).await
+                    }
+                    None => {
+                        let nowhere = crate::dead_letter::NoBroker;
+                        crate::dead_letter::replay_each(pool, tables, &nowhere, &letters, safety, |_, _| {}).await
+                    }
+                };
                 tally.gone.extend(gone);
-                let entry = self.audit(user, audit_action, subjects, tally.replayed.len(), &tally.outcome()).await;
+                let done = tally.replayed.len() + tally.released.len();
+                let entry = self.audit(user, audit_action, subjects, done, &tally.outcome()).await;
                 Ok((Acted::Replayed(tally), entry))
             }
             (_, true, _) => Ok((Acted::Discarded { ids, left: gone }, None)),
@@ -707,6 +720,10 @@ impl<DB: ConsoleStore, P: Publisher + 'static> Console<DB, P> {
                 return Ok(Edited::Replayed(entry));
             }
             Ok(crate::dead_letter::Replayed::Refused(risk)) => (StatusCode::CONFLICT, risk.explain(&letter)),
+            // An edited replay never releases (an HTTP request's is refused), but the answer would say so.
+            Ok(crate::dead_letter::Replayed::Released) => {
+                (StatusCode::CONFLICT, crate::dead_letter::ReplayRisk::HttpRequest.explain(&letter))
+            }
             Ok(crate::dead_letter::Replayed::Gone) => {
                 (StatusCode::CONFLICT, format!("dead letter {id} is gone: replayed or discarded meanwhile"))
             }

@@ -321,8 +321,9 @@ pub fn document() -> Value {
                 },
                 "ReplayResult": object(json!({
                     "dry_run": { "type": "boolean" }, "replayed": ids(), "would_replay": ids(), "gone": ids(),
+                    "released": ids(), "would_release": ids(),
                     "refused": { "type": "array", "items": object(json!({
-                        "id": integer(), "risk": { "type": "string", "enum": ["markers_pruned", "applied_since", "id_reused", "relay_letter"] }, "why": string(),
+                        "id": integer(), "risk": { "type": "string", "enum": ["markers_pruned", "applied_since", "id_reused", "relay_letter", "http_request"] }, "why": string(),
                     }), &["id", "risk", "why"]) },
                     "busy": { "type": "array", "items": object(json!({ "id": integer(), "since": string() }), &["id", "since"]) },
                     "stopped_by": nullable_string(),

@@ -533,7 +533,14 @@ fn confirm_page<DB: ConsoleStore, P: Publisher + 'static>(
                     r#"<p>These would be refused (a replay could apply their effect twice):</p><ul>{explain}</ul>"#
                 );
             }
-            (tally.replayed.clone(), explain)
+            if !tally.released.is_empty() {
+                let _ = write!(
+                    explain,
+                    r#"<p id="released">HTTP requests {} are not published: their keys are released, and their senders' next retries are applied as new.</p>"#,
+                    crate::dead_letter::selection::join(&tally.released)
+                );
+            }
+            (tally.replayed.iter().chain(&tally.released).copied().collect(), explain)
         }
         Acted::Discarded { ids, .. } => (ids.clone(), String::new()),
     };
@@ -578,6 +585,13 @@ fn result_page<DB: ConsoleStore, P: Publisher + 'static>(
                 tally.replayed.len(),
                 crate::dead_letter::selection::join(&tally.replayed)
             );
+            if !tally.released.is_empty() {
+                let _ = write!(
+                    body,
+                    r#"<p id="released">Released the keys of HTTP requests {}: their senders' next retries are applied.</p>"#,
+                    crate::dead_letter::selection::join(&tally.released)
+                );
+            }
             for (id, _, why) in &tally.refused {
                 let _ = write!(body, r#"<p class="refused">Refused {id}: {}</p>"#, esc(why));
             }

@@ -548,15 +548,17 @@ fn positioned(mut message: Message, key: &str) -> Message {
     message
 }
 
-/// A request as a message: its path the topic, its headers (credentials left out) and its body.
+/// A request as a message: its path the topic, its headers (credentials left out) and its body, marked as an
+/// HTTP request ([`crate::dead_letter::HTTP_REQUEST_HEADER`], which a request cannot set itself).
 fn message_of(path: &str, headers: &HeaderMap, body: Vec<u8>) -> Message {
     let mut message = Message::new(path, 0, 0, body);
     message.timestamp_ms = Some(crate::store::responses::now_ms());
     for (name, value) in headers {
-        if !NOT_STORED.contains(&name.as_str()) {
+        if !NOT_STORED.contains(&name.as_str()) && name.as_str() != crate::dead_letter::HTTP_REQUEST_HEADER {
             message.headers.push((name.as_str().to_owned(), value.as_bytes().to_vec()));
         }
     }
+    message.headers.push((crate::dead_letter::HTTP_REQUEST_HEADER.to_owned(), path.as_bytes().to_vec()));
     message
 }
 
@@ -651,7 +653,9 @@ mod tests {
         headers.insert("authorization", "Bearer x".parse().unwrap());
         headers.insert("cookie", "s=1".parse().unwrap());
         headers.insert("idempotency-key", "k1".parse().unwrap());
+        headers.insert(crate::dead_letter::HTTP_REQUEST_HEADER, "/forged".parse().unwrap());
         let message = message_of("/orders", &headers, b"{}".to_vec());
+        assert_eq!(message.header(crate::dead_letter::HTTP_REQUEST_HEADER), Some(&b"/orders"[..]), "not the request's");
         assert_eq!(message.header("idempotency-key"), Some(&b"k1"[..]));
         assert!(message.header("authorization").is_none() && message.header("cookie").is_none());
         let a = positioned(message.clone(), "k1");

@@ -46,6 +46,9 @@ pub enum ReplayRisk {
     /// The letter is a message an outbox relay gave up on (consumer group `outbox:<relay>`): it goes back into the
     /// outbox (`idem outbox requeue`), not to a consumer.
     RelayLetter,
+    /// The letter is an HTTP request and the replay an edited one: its client sends the request, so it is only
+    /// replayed unedited (which releases its key, [`crate::dead_letter::Replayed::Released`]).
+    HttpRequest,
 }
 
 /// First step, in one transaction: marks the row `replaying` and deletes its event's marker, unless the row is

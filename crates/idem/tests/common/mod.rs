@@ -400,3 +400,54 @@ impl Handler<sqlx::Postgres> for OrderHistory {
         Ok(())
     }
 }
+
+/// An HTTP/1.1 answer: its status (0 when none came), head and body.
+pub struct HttpAnswer {
+    pub status: u16,
+    pub head: String,
+    pub body: String,
+}
+
+impl HttpAnswer {
+    /// The value of the header `name` (case-insensitive), if the head has it.
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.head.lines().find_map(|line| {
+            let (n, v) = line.split_once(':')?;
+            n.eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+        })
+    }
+
+    /// The body as JSON (a test failure when it is not).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+
+    /// The head and body as they came.
+    pub fn raw(&self) -> String {
+        format!("{}\r\n\r\n{}", self.head, self.body)
+    }
+}
+
+/// One HTTP/1.1 exchange on a connection of its own, `Content-Length` set from the body.
+pub async fn http(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> HttpAnswer {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    conn.write_all(request.as_bytes()).await.expect("write");
+    let mut raw = Vec::new();
+    conn.read_to_end(&mut raw).await.expect("read");
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    HttpAnswer { status, head: head.to_owned(), body: body.to_owned() }
+}

@@ -250,24 +250,30 @@ fn http(problems: &mut Problems<'_>, h: &HttpSource, here: &dyn Fn(&str) -> Stri
     Some(SourcePlan::Http { listen: listen?, path: path?, limits, signature: signature? })
 }
 
-/// The signature `[consumer.http]` requires, its secret read; `Some(None)` for none.
+/// The signature `[consumer.http]` requires, its secret read; `Some(None)` for none. A key of one form set with
+/// another form (or with none) is named.
 fn signature(problems: &mut Problems<'_>, h: &HttpSource, here: &dyn Fn(&str) -> String) -> Option<Option<Signature>> {
+    // Each form's own keys: the key's name, whether the file sets it, and the form it belongs to (None: any form).
+    let keys = [
+        ("http.secret_env", h.secret_env.is_some() || h.secret_file.is_some(), None),
+        ("http.tolerance", h.tolerance.is_some(), Some("stripe")),
+        ("http.signature_header", h.signature_header.is_some() || h.signature_prefix.is_some(), Some("hmac")),
+        ("http.signature_encoding", h.signature_encoding.is_some(), Some("hmac")),
+    ];
     let Some(kind) = &h.signature else {
-        for (set, key) in [
-            (h.secret_env.is_some() || h.secret_file.is_some(), "http.secret_env"),
-            (h.tolerance.is_some(), "http.tolerance"),
-            (h.signature_header.is_some() || h.signature_prefix.is_some(), "http.signature_header"),
-        ] {
-            if set {
-                problems.line(
-                    line_of(problems, &h.path),
-                    &here(key),
-                    "is set without `signature`: add signature = \"stripe\", \"github\" or \"hmac\", or remove it",
-                );
-            }
+        for (key, _, _) in keys.iter().filter(|(_, set, _)| *set) {
+            problems.line(
+                line_of(problems, &h.path),
+                &here(key),
+                "is set without `signature`: add signature = \"stripe\", \"github\" or \"hmac\", or remove it",
+            );
         }
         return Some(None);
     };
+    for (key, _, form) in keys.iter().filter(|(_, set, form)| *set && form.is_some_and(|f| f != kind.get_ref())) {
+        let form = form.unwrap_or_default();
+        problems.at(kind, &here(key), format!("applies only to signature = \"{form}\": remove it"));
+    }
     let secret = match (&h.secret_env, &h.secret_file) {
         (Some(env), None) => {
             Secret::from_env(env.get_ref()).map_err(|e| problems.at(env, &here("http.secret_env"), e.to_string())).ok()
@@ -287,39 +293,16 @@ fn signature(problems: &mut Problems<'_>, h: &HttpSource, here: &dyn Fn(&str) ->
             None
         }
     };
-    let only = |problems: &mut Problems<'_>, set: bool, key: &str, with: &str| {
-        if set {
-            problems.at(kind, &here(key), format!("applies only to signature = \"{with}\": remove it"));
-        }
-    };
     let signature = match kind.get_ref().as_str() {
         "stripe" => {
-            only(
-                problems,
-                h.signature_header.is_some() || h.signature_prefix.is_some(),
-                "http.signature_header",
-                "hmac",
-            );
-            only(problems, h.signature_encoding.is_some(), "http.signature_encoding", "hmac");
             let tolerance = match &h.tolerance {
                 Some(t) => duration(problems, t, &here("http.tolerance"))?,
                 None => Duration::from_secs(300),
             };
             Signature::Stripe { secret: secret?, tolerance }
         }
-        "github" => {
-            only(problems, h.tolerance.is_some(), "http.tolerance", "stripe");
-            only(
-                problems,
-                h.signature_header.is_some() || h.signature_prefix.is_some(),
-                "http.signature_header",
-                "hmac",
-            );
-            only(problems, h.signature_encoding.is_some(), "http.signature_encoding", "hmac");
-            Signature::GitHub { secret: secret? }
-        }
+        "github" => Signature::GitHub { secret: secret? },
         "hmac" => {
-            only(problems, h.tolerance.is_some(), "http.tolerance", "stripe");
             let Some(header) = &h.signature_header else {
                 problems.at(kind, &here("http.signature_header"), "hmac needs the header that holds the signature");
                 return None;
