@@ -368,7 +368,8 @@ async fn what_the_ingress_cannot_honour_is_refused() {
 }
 
 /// A client that sends its headers too slowly is cut off (nothing stored); a shutdown answers the request in
-/// progress before the server ends, and the engine's figures count it.
+/// progress and waits for the work of a client that went away before the server ends, and the engine's figures
+/// count both.
 #[tokio::test]
 async fn slow_clients_are_cut_off_and_a_shutdown_answers_what_is_in_progress() {
     let db = common::sqlite().await;
@@ -400,16 +401,26 @@ async fn slow_clients_are_cut_off_and_a_shutdown_answers_what_is_in_progress() {
 
     assert!(ingress.engine().health().running, "serving counts as running");
 
-    // A request in progress when the shutdown comes is answered, then the server ends.
+    // A request in progress when the shutdown comes is answered, and the work of one whose client went away
+    // ends with its commit; only then does the server end.
     let payload = body("pay-g", 2, r#""sleep_ms":400"#);
     let in_progress =
         tokio::spawn(async move { post(addr, "/payments", &[("Idempotency-Key", "pay-g")], &payload).await });
+    // (SQLite takes one writer at a time: the abandoned request commits last, well after pay-g's answer.)
     tokio::time::sleep(Duration::from_millis(100)).await;
+    let abandoned = body("pay-h", 3, r#""sleep_ms":900"#);
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(150),
+        post(addr, "/payments", &[("Idempotency-Key", "pay-h")], &abandoned),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the client was answered before it gave up");
     let _ = stop.send(());
     let answer = in_progress.await.expect("request");
     assert_eq!(answer.status, 201, "{}", answer.body);
     let stats = tokio::time::timeout(Duration::from_secs(10), server).await.expect("the server ends").expect("join");
-    assert_eq!(stats.expect("serve").processed, 1);
+    assert_eq!(ledger_rows(&db.pool, "pay-h").await, 1, "the server ended before the abandoned work committed");
+    assert_eq!(stats.expect("serve").processed, 2);
     assert!(!ingress.engine().health().running);
     assert_eq!(ledger_rows(&db.pool, "pay-g").await, 1);
     assert_eq!(markers(&db.pool, "sl").await, 0);

@@ -60,6 +60,7 @@ pub mod signature;
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -195,6 +196,46 @@ struct Inner<DB: Backend, R> {
     options: Options,
     /// The keys in progress in this process, each with the lock its next request waits on.
     in_progress: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// The requests' work still running, whether or not its client still waits.
+    working: Arc<Working>,
+}
+
+/// Counts the requests' work tasks (a client that goes away does not cut its transaction short), so that
+/// [`Ingress::serve`] returns only once each has committed or rolled back.
+#[derive(Default)]
+struct Working {
+    tasks: AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+/// One work task's share of [`Working`], given back when the task ends (or panics).
+struct WorkTask(Arc<Working>);
+
+impl Working {
+    fn start(self: &Arc<Self>) -> WorkTask {
+        self.tasks.fetch_add(1, Ordering::SeqCst);
+        WorkTask(self.clone())
+    }
+
+    /// Returns once no work task runs.
+    async fn idle(&self) {
+        loop {
+            // Made before the count is read, so a task ending in between still wakes it.
+            let ended = self.idle.notified();
+            if self.tasks.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            ended.await;
+        }
+    }
+}
+
+impl Drop for WorkTask {
+    fn drop(&mut self) {
+        if self.0.tasks.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
 }
 
 impl<DB: Backend, R: Respond<DB>> Ingress<DB, R> {
@@ -261,12 +302,14 @@ impl<DB: Backend, R: Respond<DB>> Ingress<DB, R> {
                 key,
                 options,
                 in_progress: Mutex::new(HashMap::new()),
+                working: Arc::default(),
             }),
         })
     }
 
     /// Serves the ingress at `path` on `listener` until `shutdown` completes; then answers the requests in
-    /// progress and returns the engine's figures. Beside it runs the consumer's housekeeping (marker gauges and,
+    /// progress, waits for the work of those whose clients went away (each commits or rolls back) and returns
+    /// the engine's figures. Beside it runs the consumer's housekeeping (marker gauges and,
     /// when a retention is set, pruning of the markers and their stored replies), and [`Engine::health`] says
     /// running. A connection that has not sent a request's headers within [`Limits::header_timeout`] is closed.
     pub async fn serve(
@@ -278,6 +321,7 @@ impl<DB: Backend, R: Respond<DB>> Ingress<DB, R> {
         let router = self.router(path)?;
         let limits = self.inner.options.limits;
         let engine = &self.inner.engine;
+        let working = &self.inner.working;
         engine
             .serving("http", async move {
                 let graceful = hyper_util::server::graceful::GracefulShutdown::new();
@@ -305,10 +349,15 @@ impl<DB: Backend, R: Respond<DB>> Ingress<DB, R> {
                         let _ = connection.await;
                     });
                 }
-                // Each request in progress is answered within its request timeout.
+                // Each request in progress is answered within its request timeout; the work of one whose client
+                // went away ends with its transaction.
                 let drain = limits.request_timeout + limits.wait_for_first + Duration::from_secs(1);
-                if tokio::time::timeout(drain, graceful.shutdown()).await.is_err() {
-                    tracing::warn!("connections still open after the drain; closing them");
+                let drained = async {
+                    graceful.shutdown().await;
+                    working.idle().await;
+                };
+                if tokio::time::timeout(drain, drained).await.is_err() {
+                    tracing::warn!("requests still in progress after the drain; closing their connections");
                 }
             })
             .await;
@@ -394,7 +443,9 @@ impl<DB: Backend, R: Respond<DB>> Ingress<DB, R> {
         };
         let (done, answer) = tokio::sync::oneshot::channel();
         let ingress = self.clone();
+        let task = self.inner.working.start();
         tokio::spawn(async move {
+            let _task = task;
             let reply = ingress.handle(&key, message).await;
             drop(guard);
             ingress.forget(&key, &lock);
