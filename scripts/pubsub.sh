@@ -61,8 +61,8 @@ up() {
   bin=$(launcher)
   mkdir -p "$STATE"
   # setsid: the emulator (a shell launcher and its JVM) is its own process group, so `down` stops both. nice: the
-  # emulator keeps a core busy for every streaming pull a client closed (it fails on the cancellation, see the
-  # README), so it yields to the builds and tests around it.
+  # emulator keeps a core busy for every streaming pull a client closed (it fails on the cancellation, see
+  # docs/brokers.md), so it yields to the builds and tests around it.
   setsid nohup nice -n 19 "$bin" --host=127.0.0.1 --port="$PORT" > "$STATE/emulator.log" 2>&1 < /dev/null &
   echo $! > "$PIDFILE"
   for _ in $(seq 1 120); do

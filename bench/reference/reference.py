@@ -1,4 +1,4 @@
-"""The reference handler of document 000, step 2: one connection, one transaction per event, the marker INSERT
+"""The reference handler, the marker pattern by hand: one connection, one transaction per event, the marker INSERT
 first, a unique violation meaning "duplicate". `idem bench` runs it as its reference leg.
 
     python reference.py DATABASE_URL EVENTS_JSONL

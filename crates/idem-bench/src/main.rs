@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-/// idem beside PostgreSQL's own limit and the reference handler of document 000 (see bench/README.md).
+/// idem beside PostgreSQL's own limit and a reference handler in Python (see bench/README.md).
 #[derive(Parser)]
 #[command(name = "idem-bench", version, about, long_about = None, args_conflicts_with_subcommands = true)]
 struct Cli {
@@ -35,5 +35,6 @@ fn main() -> ExitCode {
             }
         },
         |_| None,
+        false,
     )
 }

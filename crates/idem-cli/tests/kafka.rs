@@ -1,4 +1,4 @@
-//! Document 000 step 5, automated on a real Kafka broker and PostgreSQL: two consumer processes share a
+//! The rebalance test, automated on a real Kafka broker and PostgreSQL: two consumer processes share a
 //! 3-partition topic; consumer A is killed with SIGKILL right after a database commit and before its offset
 //! commit; the group rebalances, B receives A's partitions and replays; every event id has exactly one ledger
 //! entry and one marker, and the replay is counted as `duplicate`.

@@ -50,7 +50,7 @@ async fn idem_run_applies_pubsub_messages_once_and_replays_a_dead_letter_back_to
     // The dead letter goes back to its topic, with its ordering key, and comes to the consumer again, which
     // dead-letters it again by the same rule. The consumer reads it from a second subscription of the topic: the
     // emulator keeps an ordering key that went to a stream closed by an exiting process assigned to that stream
-    // (see the README), so on the first subscription the replayed message would wait there.
+    // (see docs/brokers.md), so on the first subscription the replayed message would wait there.
     let again = format!("{topic}-again");
     idem::pubsub::create_subscription(Some(&host), PROJECT, &topic, &again, &ordered).await.expect("sub");
     let replay = idem()

@@ -15,7 +15,7 @@ pub struct Config {
     /// Where the idempotency key comes from.
     pub key: KeyExtractor,
     /// Messages of one partition handled in one transaction. 1 gives the strict per-message transaction of
-    /// document 000; larger batches commit less often. Default 100.
+    /// the marker; larger batches commit less often. Default 100.
     pub batch_size: usize,
     /// Attempts for a batch that fails with a retryable handler error before the message is dead-lettered.
     /// Database outages are retried without limit (the dead-letter write would fail as well). Default 10
@@ -53,10 +53,10 @@ pub struct Config {
 /// What decides that an event was applied already.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Dedup {
-    /// A marker row per event in `processed_events`, inserted first in the handler's transaction (document 000).
+    /// A marker row per event in `processed_events`, inserted first in the handler's transaction.
     #[default]
     Markers,
-    /// No marker: the handler's effect is itself an insert under a fixed id (document 003, "natural key
+    /// No marker: the handler's effect is itself an insert under a fixed id ("natural key
     /// idempotency"), for example `INSERT INTO orders (id, …) VALUES (…) ON CONFLICT (id) DO NOTHING`. The handler
     /// marks the event [`crate::Handled::AlreadyApplied`] when its insert found the row, so the event is counted
     /// `duplicate`; acknowledgement still comes after the commit. Safe only when the whole effect is that one
@@ -73,7 +73,7 @@ pub enum MarkerLayout {
     #[default]
     Plain,
     /// Range partitions by day or month (PostgreSQL only), dropped whole when they pass the retention
-    /// (document 000, step 4). See [`Partitioning`] for what it costs.
+    /// See [`Partitioning`] for what it costs.
     Partitioned(Partitioning),
 }
 
@@ -128,7 +128,7 @@ impl PartitionPeriod {
     }
 }
 
-/// The handling of a producer's reused event id (document 000, failure row 5): the marker keeps a digest of the
+/// The handling of a producer's reused event id (the same id for a different event): the marker keeps a digest of the
 /// payload, and a "duplicate" whose payload differs is a different event under the same id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum IdReusePolicy {

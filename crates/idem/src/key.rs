@@ -1,6 +1,6 @@
 //! Idempotency keys: where the id of an event comes from.
 //!
-//! Document 003 prefers a business key in the payload (`/idempotencyKey`) over the broker's message id, because
+//! Prefer a business key in the payload (`/idempotencyKey`) to the broker's message id, because
 //! the same business event can be republished in a new envelope. The extractor is chosen by configuration and
 //! parsed from a short spec: `json:/idempotencyKey`, `header:event-id` or `broker-id`.
 

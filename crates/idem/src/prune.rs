@@ -1,4 +1,4 @@
-//! Pruning markers without locks (document 000, step 4): bounded `DELETE`s of at most `batch_size` rows,
+//! Pruning markers without locks: bounded `DELETE`s of at most `batch_size` rows,
 //! a pause between them, until a statement deletes nothing. Never an unbounded `DELETE`.
 //!
 //! The consumer runs it in the background whenever [`Pruning::retention`] is set; `idem prune` runs one pass.

@@ -1,4 +1,4 @@
-//! The retention guard (document 000 step 4, failure row 3): markers must outlive the broker's retention, or a
+//! The retention guard: markers must outlive the broker's retention, or a
 //! consumer reset to the earliest offset replays events whose markers are gone and applies them again. One guard
 //! for every broker that keeps messages for a while (Kafka's topics, NATS JetStream's streams), each named as its
 //! broker names it ([`BrokerRetention`]).

@@ -1,5 +1,5 @@
 //! The metric catalogue: every metric idem writes, with its unit and `# HELP` text, described to the installed
-//! `metrics` recorder when a consumer starts. Names follow document 000.
+//! `metrics` recorder when a consumer starts. Names are those of docs/METRICS.md.
 
 use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 

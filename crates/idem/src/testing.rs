@@ -1,4 +1,4 @@
-//! A duplicate test kit for any handler (feature `testing`, for dev-dependencies): document 003's "duplicate
+//! A duplicate test kit for any handler (feature `testing`, for dev-dependencies): the "duplicate
 //! handling tested in CI for every consumer handler", in a few lines, on a real database.
 //!
 //! The kit delivers a list of messages to a [`Handler`] or [`BatchHandler`] through a real [`Engine`] and
@@ -17,7 +17,7 @@
 //!    failure, when the final state depends on the order (use a [`crate::guard`] or the Sequential Inbox).
 //!
 //! The first event after which the state differs is reported with its position and a line diff of the two
-//! snapshots (their `{:#?}`). The three-line test of document 003, "duplicate message does not double credit":
+//! snapshots (their `{:#?}`). The three-line test, "duplicate message does not double credit":
 //!
 //! ```no_run
 //! # use idem::{Config, Event, Handler, HandlerError, KeyExtractor, Message};

@@ -1,4 +1,4 @@
-//! The metrics of document 000's checklist after a known run. Alone in its test binary: the metrics recorder
+//! The metrics of docs/METRICS.md after a known run. Alone in its test binary: the metrics recorder
 //! is global to the process.
 
 mod common;

@@ -32,7 +32,7 @@ async fn postgres_migrations_run_twice_and_concurrently() {
     let again = idem::migrate(&db.pool, &Tables::default()).await.unwrap();
     assert!(again.applied.is_empty());
     assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM idem_migrations").await, 11);
-    // The marker table is exactly document 000's: its primary key and the processed_at index.
+    // The marker table is as specified: its primary key and the processed_at index.
     let pk = db
         .pool
         .scalar(

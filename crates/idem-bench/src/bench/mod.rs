@@ -1,4 +1,4 @@
-//! `idem-bench`: idem side by side with PostgreSQL's own limit and the reference handler of document 000, on one
+//! `idem-bench`: idem side by side with PostgreSQL's own limit and a reference handler in Python, on one
 //! PostgreSQL, over the same payment events, each leg on fresh tables, each leg checking its ledger total.
 //!
 //! Legs: pgbench running the per-event transaction; the Python reference handler; idem with one transaction per
@@ -476,7 +476,7 @@ fn write_events_file(work: &Workload) -> anyhow::Result<PathBuf> {
 /// The reference handler's source, built in so that the benchmark runs from any directory.
 const REFERENCE: &str = include_str!("../../../../bench/reference/reference.py");
 
-/// The reference handler of document 000 step 2, in Python with psycopg 3.
+/// The reference handler: the marker pattern by hand, in Python with psycopg 3.
 async fn reference(
     pool: &PgPool,
     args: &BenchArgs,

@@ -1,4 +1,4 @@
-//! Ordering guards: what idempotency alone does not give (document 003, "Ordering and exactly-once semantics").
+//! Ordering guards: what idempotency alone does not give.
 //!
 //! A marker makes a redelivery harmless, but two *different* events of one entity can still arrive out of order
 //! (two partitions, a producer retry, a replay), and applying each once still leaves the wrong final state. The

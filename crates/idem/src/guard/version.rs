@@ -36,7 +36,7 @@ pub enum GapDecision {
 
 type GapHook = Arc<dyn Fn(&Gap) -> GapDecision + Send + Sync>;
 
-/// "Apply only if this event's version is newer than the row's" (document 003), inside idem's transaction.
+/// "Apply only if this event's version is newer than the row's", inside idem's transaction.
 ///
 /// [`VersionGuard::check`] moves the row's version column to the event's version and returns
 /// [`Decision::Apply`], or leaves it and returns [`Decision::Skip`] for an event that is not newer (marked

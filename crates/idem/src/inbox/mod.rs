@@ -1,4 +1,4 @@
-//! The Sequential Inbox (document 002): messages of one business context (an order, a payment) handled in a
+//! The Sequential Inbox: messages of one business context (an order, a payment) handled in a
 //! declared order, whatever order the broker delivers them in, by several consumers at once, and more than once.
 //!
 //! A [`Sequence`] has a name, a retention and two or more [`MessageType`]s. Each message type is a
@@ -24,7 +24,7 @@
 //! With [`InboxTransactions::Shared`] (the default) the handler writes through the claim transaction, so the
 //! effects, the claim and the inbox state commit together: exactly-once for what the handler writes through
 //! `tx`. Effects outside the database (an HTTP call) are at-least-once, as everywhere in idem.
-//! [`InboxTransactions::Separate`] is document 002's layout, where the handler commits its own transaction
+//! [`InboxTransactions::Separate`] is the layout where the handler commits its own transaction
 //! before the inbox state is stored: a crash in between runs the handler again, so it must be idempotent itself.
 //!
 //! A handler that fails on a message handled at once rolls back the claim: a retry (retryable errors) or a

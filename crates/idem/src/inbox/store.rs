@@ -76,7 +76,7 @@ pub(crate) async fn resolve_instance(
     }
 }
 
-/// The claim of document 002, first statement of the processing transaction: true when this delivery won it.
+/// The claim, first statement of the processing transaction: true when this delivery won it.
 pub(crate) async fn claim(
     conn: &mut PgConnection,
     tables: &Tables,

@@ -1,5 +1,5 @@
 //! A small producer helper: idempotent (`enable.idempotence=true`, `acks=all`), and every event carries a
-//! producer-assigned id in the `idem-event-id` header (UUIDv7 unless the caller gives one), as document 000's
+//! producer-assigned id in the `idem-event-id` header (UUIDv7 unless the caller gives one), as the markers'
 //! failure table advises. Consume such events with `KeyExtractor::Header("idem-event-id")`.
 //!
 //! Each event also carries the producer's id and its sequence number in the partition (`idem-producer-id`,

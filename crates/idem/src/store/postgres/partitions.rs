@@ -1,6 +1,6 @@
 //! The partitioned marker layout (PostgreSQL): `processed_events` range-partitioned by UTC day or month on a
-//! `processed_on` column, partitions created ahead of time and dropped whole once they pass the retention
-//! (document 000, step 4). See [`crate::config::Partitioning`] for the cost and how the claim covers it.
+//! `processed_on` column, partitions created ahead of time and dropped whole once they pass the retention.
+//! See [`crate::config::Partitioning`] for the cost and how the claim covers it.
 //!
 //! The layout is recorded in the table's comment (`idem:partitioned:day`), so that a consumer configured for
 //! one layout refuses to start on the other, and `idem prune` knows which pruning applies.
