@@ -86,6 +86,8 @@ ensure_mysql() {
   exit 1
 }
 
+# The documentation first (seconds): the README stays short and every relative link resolves.
+scripts/check-docs.sh
 ensure_postgres
 ensure_mysql
 ensure_nats
@@ -123,7 +125,12 @@ scripts/browser.sh target/debug/idem
 if command -v systemd-analyze >/dev/null 2>&1; then
   unit_dir="$(mktemp -d)"
   sed "s|/usr/local/bin/idem|$PWD/target/debug/idem|g" deploy/systemd/idem@.service > "$unit_dir/idem@ledger.service"
-  systemd-analyze verify "$unit_dir/idem@ledger.service"
+  systemd-analyze verify "$unit_dir/idem@ledger.service" 2>&1 | grep -v "Unknown key 'Restart\(Steps\|MaxDelaySec\)'" || true
+  systemd-analyze verify "$unit_dir/idem@ledger.service" >/dev/null 2>&1
+  # Restarts are bounded and spaced: a unit failing fast stops instead of restarting every few seconds forever.
+  for key in StartLimitBurst StartLimitIntervalSec RestartSteps RestartMaxDelaySec; do
+    grep -q "^$key=" deploy/systemd/idem@.service || { echo "deploy/systemd/idem@.service lacks $key" >&2; exit 1; }
+  done
   rm -rf "$unit_dir"
 fi
 # wrk (Debian's package) loads the HTTP ingress in the benchmark for a few seconds, bounded by its -d.

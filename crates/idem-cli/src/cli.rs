@@ -192,17 +192,19 @@ pub fn main() -> ExitCode {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let cli = Cli::parse();
+    let json = cli.log_format == "json";
     let level = match cli.log.parse::<tracing::Level>() {
         Ok(level) => level,
         Err(_) => {
-            eprintln!("error: --log `{}` is not a level: use error, warn, info, debug or trace", cli.log);
+            let message = format!("--log `{}` is not a level: use error, warn, info, debug or trace", cli.log);
+            crate::fatal(json, &message, None);
             return ExitCode::from(2);
         }
     };
-    let tracing = match crate::logging::init(level, cli.log_format == "json") {
+    let tracing = match crate::logging::init(level, json) {
         Ok(tracing) => tracing,
         Err(e) => {
-            eprintln!("error: {e}");
+            crate::fatal(json, &format!("{e:#}"), None);
             return ExitCode::from(2);
         }
     };
@@ -267,6 +269,7 @@ pub fn main() -> ExitCode {
             }
         },
         hint,
+        json,
     );
     tracing.shutdown();
     code

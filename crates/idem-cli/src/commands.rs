@@ -28,10 +28,13 @@ fn print_stats(stats: &[GroupStats], json: bool) -> anyhow::Result<()> {
         println!("no markers and no dead letters");
         return Ok(());
     }
-    println!("{:<32} {:>12} {:>18} {:>12}", "consumer_group", "markers", "oldest_marker_age", "dead_letters");
+    println!(
+        "{:<32} {:>12} {:>18} {:>12} {:>10}",
+        "consumer_group", "markers", "oldest_marker_age", "dead_letters", "id_reused"
+    );
     for s in stats {
         let age = s.oldest_marker_age_seconds.map_or("-".to_owned(), human_duration);
-        println!("{:<32} {:>12} {:>18} {:>12}", s.consumer_group, s.markers, age, s.dead_letters);
+        println!("{:<32} {:>12} {:>18} {:>12} {:>10}", s.consumer_group, s.markers, age, s.dead_letters, s.id_reused);
     }
     Ok(())
 }

@@ -102,10 +102,50 @@ impl Db {
         Ok(())
     }
 
-    /// Runs a query returning one integer.
+    /// Runs a query returning one integer; again on a new connection while the failure is one it can fix
+    /// ([`reconnecting`]).
     pub async fn scalar(&self, sql: &str) -> anyhow::Result<i64> {
-        Ok(crate::with_pool!(self, pool => sqlx::query_scalar(sql).fetch_one(pool).await?))
+        reconnecting(|| async { Ok(crate::with_pool!(self, pool => sqlx::query_scalar(sql).fetch_one(pool).await?)) })
+            .await
     }
+}
+
+/// How many times [`reconnecting`] tries, and the delays between the tries (about 20 s in all).
+const RECONNECTING_ATTEMPTS: u32 = 10;
+const RECONNECTING_BACKOFF: idem::Backoff =
+    idem::Backoff::new(std::time::Duration::from_millis(100), std::time::Duration::from_secs(4));
+
+/// Runs `work` (a read, or work that can run again from its start) again while it fails in a way a new connection
+/// can fix: a session terminated by an administrator, a refused connection, a restarting server, a deadlock. Each
+/// retry is logged at WARN; after the last try, or on any other error, its error is returned.
+pub async fn reconnecting<T, F: std::future::Future<Output = anyhow::Result<T>>>(
+    mut work: impl FnMut() -> F,
+) -> anyhow::Result<T> {
+    let mut failures = 0;
+    loop {
+        match work().await {
+            Ok(value) => return Ok(value),
+            Err(error) if failures + 1 < RECONNECTING_ATTEMPTS && transient(&error) => {
+                failures += 1;
+                let delay = RECONNECTING_BACKOFF.after(failures);
+                tracing::warn!(error = %format!("{error:#}"), attempt = failures, ?delay,
+                    "the database failed for now; trying again on a new connection");
+                tokio::time::sleep(delay).await;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+/// Whether the error is a database failure that a new attempt can get past.
+fn transient(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        let database = match cause.downcast_ref::<idem::Error>() {
+            Some(idem::Error::Database(e)) => Some(e),
+            _ => cause.downcast_ref::<sqlx::Error>(),
+        };
+        database.is_some_and(|e| idem::error::classify(e) == idem::error::Retry::Helps)
+    })
 }
 
 /// The table names of the arguments.

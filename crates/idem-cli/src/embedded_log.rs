@@ -258,31 +258,53 @@ fn produce(
     }
     let producer = log.producer();
     let mut produced = 0u64;
-    for (n, line) in std::io::stdin().lock().lines().enumerate() {
-        let line = line.context("reading stdin")?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let key = match key_pointer {
-            Some(pointer) => {
-                let doc: serde_json::Value = serde_json::from_str(&line)
-                    .with_context(|| format!("line {}: not JSON, so --key-pointer finds no key", n + 1))?;
-                let key = match doc.pointer(pointer) {
-                    Some(serde_json::Value::String(s)) => s.clone(),
-                    Some(v @ serde_json::Value::Number(_)) => v.to_string(),
-                    _ => anyhow::bail!("line {}: {pointer} is not a string or a number", n + 1),
-                };
-                Some(key)
+    // The line of the last record sent, and of the first one not appended when a line fails.
+    let mut last_sent = 0usize;
+    let appended = (|| -> anyhow::Result<()> {
+        for (n, line) in std::io::stdin().lock().lines().enumerate() {
+            let line = line.with_context(|| format!("line {}: reading stdin", n + 1))?;
+            if line.trim().is_empty() {
+                continue;
             }
-            None => None,
-        };
-        producer.send(topic, key.as_deref().map(str::as_bytes), line.as_bytes(), &headers)?;
-        produced += 1;
-        if produced.is_multiple_of(10_000) {
-            producer.flush()?;
+            let key = match key_pointer {
+                Some(pointer) => {
+                    let doc: serde_json::Value = serde_json::from_str(&line)
+                        .with_context(|| format!("line {}: not JSON, so --key-pointer finds no key", n + 1))?;
+                    let key = match doc.pointer(pointer) {
+                        Some(serde_json::Value::String(s)) => s.clone(),
+                        Some(v @ serde_json::Value::Number(_)) => v.to_string(),
+                        _ => anyhow::bail!("line {}: {pointer} is not a string or a number", n + 1),
+                    };
+                    Some(key)
+                }
+                None => None,
+            };
+            producer
+                .send(topic, key.as_deref().map(str::as_bytes), line.as_bytes(), &headers)
+                .with_context(|| format!("line {}: appending it", n + 1))?;
+            produced += 1;
+            last_sent = n + 1;
+            if produced.is_multiple_of(10_000) {
+                producer.flush()?;
+            }
         }
+        Ok(())
+    })();
+    let flushed = producer.flush();
+    if let Err(error) = appended {
+        let resume = last_sent + 1;
+        return Err(match flushed {
+            Ok(()) => error.context(format!(
+                "{produced} record(s) appended to {topic} (input lines 1 to {last_sent}), nothing after: fix the \
+                 line, then resume from line {resume} (tail -n +{resume} FILE | idem log produce ...)"
+            )),
+            Err(flush) => error.context(format!(
+                "at most {produced} record(s) sent to {topic} (input lines 1 to {last_sent}), and their flush \
+                 failed too ({flush}): count what the topic holds (idem log read) before resuming"
+            )),
+        });
     }
-    producer.flush()?;
+    flushed?;
     println!("{}", serde_json::json!({ "produced": produced }));
     Ok(ExitCode::SUCCESS)
 }

@@ -59,7 +59,7 @@ pub enum OutboxCommand {
         /// Only the messages that failed at least once.
         #[arg(long)]
         failing: bool,
-        /// Print one JSON array instead of a table.
+        /// Print one JSON array instead of a table (a JSON payload as JSON, any other as text).
         #[arg(long)]
         json: bool,
     },
@@ -253,7 +253,7 @@ pub async fn command(command: OutboxCommand) -> anyhow::Result<ExitCode> {
                         serde_json::json!({
                             "id": m.id, "event_id": m.event_id, "destination": m.destination,
                             "key": m.key.as_deref().map(String::from_utf8_lossy),
-                            "payload": String::from_utf8_lossy(&m.payload), "attempts": m.attempts,
+                            "payload": crate::json_payload(&m.payload), "attempts": m.attempts,
                             "last_error": m.last_error, "age_seconds": m.age_seconds,
                         })
                     })

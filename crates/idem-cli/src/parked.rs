@@ -91,7 +91,7 @@ pub async fn run(command: ParkedCommand) -> anyhow::Result<ExitCode> {
                             "id": p.id, "consumer_group": p.consumer_group, "event_id": p.event_id,
                             "topic": p.topic, "partition": p.partition, "offset": p.offset,
                             "key": p.key.as_deref().map(String::from_utf8_lossy),
-                            "payload": String::from_utf8_lossy(&p.payload), "attempts": p.attempts,
+                            "payload": crate::json_payload(&p.payload), "attempts": p.attempts,
                             "delayed_retries": p.delayed_retries, "error": p.error,
                             "history": p.history.lines().filter_map(|l| serde_json::from_str(l).ok())
                                 .collect::<Vec<serde_json::Value>>(),

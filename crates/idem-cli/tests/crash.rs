@@ -154,3 +154,81 @@ fn operator_commands_on_a_kept_demo() {
     assert!(!ok && err.contains("--database-url"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A worker killed right after a commit, before its acknowledgement, has already written each committed event's
+/// log line (and its commit report): the lines are written where the kill cannot drop them.
+#[test]
+fn a_kill_after_the_commit_keeps_each_events_log_line() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = std::env::temp_dir().join(format!("idem-cli-killed-lines-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let url = format!("sqlite://{}/ledger.db", dir.display());
+    let log_dir = format!("{}/log", dir.display());
+    std::fs::create_dir_all(&dir).unwrap();
+    let (ok, _, err) = idem(&["demo-prepare", "--database-url", &url]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = idem(&["demo-produce", "--log-dir", &log_dir, "--events", "200", "--seed", "5"]);
+    assert!(ok, "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["--log", "debug", "--log-format", "json", "demo-worker", "--log-dir", &log_dir])
+        .args(["--database-url", &url, "--batch-size", "25", "--fault", "after-commit:2"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.signal(), Some(9), "killed at its fault point: {:?}", out.status);
+    let reports: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|r| r.get("processed").is_some())
+        .collect();
+    let count = |field: &str| reports.iter().map(|r| r[field].as_u64().unwrap_or(0)).sum::<u64>();
+    let (processed, duplicate) = (count("processed"), count("duplicate"));
+    assert!(processed >= 25, "two batches committed: {reports:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines = |outcome: &str| {
+        stderr
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|l| l["outcome"] == outcome && l["event_id"].is_string())
+            .count() as u64
+    };
+    assert_eq!((lines("processed"), lines("duplicate")), (processed, duplicate), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `idem demo --service` on PostgreSQL while every session of its database is terminated again and again
+/// (`pg_terminate_backend`, the demo's own and its consumers'): the consumers and the demo's own queries connect
+/// again, the ledger is exact and the summary is printed.
+#[test]
+fn demo_survives_its_sessions_being_terminated() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let url = fresh_postgres().expect("PostgreSQL must run on 127.0.0.1:5432 (psql on PATH)");
+    let db = url.rsplit('/').next().unwrap_or_default().to_owned();
+    let server = url.trim_end_matches(&format!("/{db}")).to_owned();
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let terminated = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let terminator = {
+        let (stop, terminated, server, db) = (stop.clone(), terminated.clone(), server.clone(), db.clone());
+        std::thread::spawn(move || {
+            let sql = format!(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+                 WHERE datname = '{db}' AND pid <> pg_backend_pid()"
+            );
+            while !stop.load(Ordering::SeqCst) {
+                let out = Command::new("psql").args([&format!("{server}/postgres"), "-tAc", &sql]).output();
+                if let Ok(out) = out {
+                    let n = String::from_utf8_lossy(&out.stdout).trim().parse::<u64>().unwrap_or(0);
+                    terminated.fetch_add(n, Ordering::SeqCst);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(150));
+            }
+        })
+    };
+    let summary = demo(&["--events", "3000", "--crashes", "2", "--service", "--database-url", &url]);
+    stop.store(true, Ordering::SeqCst);
+    terminator.join().unwrap();
+    assert_eq!(summary["crashes_survived"], 2, "{summary}");
+    assert!(terminated.load(Ordering::SeqCst) > 0, "no session was terminated");
+    let _ = Command::new("psql")
+        .args([&format!("{server}/postgres"), "-qc", &format!("DROP DATABASE {db} WITH (FORCE)")])
+        .status();
+}

@@ -81,3 +81,36 @@ fn a_damaged_record_is_inspected_skipped_into_the_dead_letters_and_the_rest_appl
     assert_eq!((entries, distinct), (299, 299), "every record but the damaged one, once");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A line that fails part-way through `idem log produce` stops it with what was appended and the line to resume
+/// from; the records before it are in the log, nothing after it.
+#[test]
+fn a_produce_that_fails_part_way_says_what_it_appended_and_where_to_resume() {
+    use std::io::Write;
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let dir = std::env::temp_dir().join(format!("idem-cli-produce-{}-{nanos}", std::process::id()));
+    let log_arg = dir.join("log").display().to_string();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["log", "produce", "--log-dir", &log_arg, "--topic", "payments", "--key-pointer", "/account"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("idem log produce");
+    let lines = [r#"{"account":1,"amount":1}"#, "", r#"{"account":2,"amount":2}"#, r#"{"account":[3]}"#, "{}"];
+    let mut stdin = child.stdin.take().expect("stdin");
+    for line in lines {
+        writeln!(stdin, "{line}").expect("write a line");
+    }
+    drop(stdin);
+    let out = child.wait_with_output().expect("produce");
+    let said = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains("line 4: /account is not a string or a number"), "{said}");
+    assert!(said.contains("2 record(s) appended to payments (input lines 1 to 3)"), "{said}");
+    assert!(said.contains("resume from line 4 (tail -n +4"), "{said}");
+    let inspect = idem(&["log", "inspect", "--log-dir", &log_arg, "--json"]);
+    let report: Value = serde_json::from_slice(&inspect.stdout).expect("inspect's JSON");
+    assert_eq!(report["partitions"][0]["end_offset"], 2, "{report}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -152,3 +152,32 @@ fn prune_json_has_one_shape_on_the_partitioned_layout() {
     }
     psql(&format!("DROP DATABASE {name} WITH (FORCE)"));
 }
+
+/// With `--log-format json`, the error that ends the process is a JSON line too (with its fix), like every log
+/// line before it; a bad `--log` level as well.
+#[test]
+fn a_fatal_error_is_a_json_line_under_json_logs() {
+    // Tables under a prefix nobody migrated: the error, then the hint to migrate.
+    let server =
+        std::env::var("IDEM_TEST_POSTGRES").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_owned());
+    let url = format!("{server}/postgres");
+    let stats = ["stats", "--database-url", &url, "--table-prefix", "never_migrated_"];
+    let out = idem().args(["--log-format", "json", "--log", "info"]).args(stats).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<Value> = stderr
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}")))
+        .collect();
+    let fatal = lines.last().expect("an error line");
+    assert_eq!(fatal["level"], "ERROR", "{stderr}");
+    assert!(fatal["timestamp"].as_str().is_some_and(|t| t.ends_with('Z')), "{stderr}");
+    // The fix, in the message or in its hint.
+    let said = format!("{} {}", fatal["message"].as_str().unwrap_or(""), fatal["hint"].as_str().unwrap_or(""));
+    assert!(said.contains("idem migrate"), "{stderr}");
+
+    let out = idem().args(["--log-format", "json", "--log", "loud"]).args(stats).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let line: Value = serde_json::from_slice(&out.stderr).expect("one JSON line");
+    assert!(line["message"].as_str().is_some_and(|m| m.contains("--log `loud` is not a level")), "{line}");
+}

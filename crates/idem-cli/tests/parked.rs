@@ -86,6 +86,7 @@ async fn list_retry_now_and_discard_parked_messages() {
     let parked = parked.as_array().unwrap();
     let ids: Vec<&str> = parked.iter().map(|p| p["event_id"].as_str().unwrap()).collect();
     assert_eq!(ids, ["e1", "e2"], "in arrival order: {parked:?}");
+    assert_eq!(parked[0]["payload"]["id"], "e1", "a JSON payload is JSON: {parked:?}");
     assert!(parked[0]["error"].as_str().unwrap().contains("account row locked"), "{parked:?}");
     assert!(parked[1]["error"].is_null(), "e2 was never tried: {parked:?}");
     assert_eq!(parked[0]["history"].as_array().unwrap().len(), 1, "{parked:?}");

@@ -201,6 +201,11 @@ destination = "order-status"
 key = ":order"
 payload = {{ order = ":order", status = ":status", amount = ":amount", by = "idem", literal = "::kept" }}
 headers = {{ type = "OrderStatusChanged" }}
+
+[[consumer.emit]]
+when = {{ param = "status", in = ["shipped", "lost"] }}
+destination = "orders.:status::v1.:order"
+payload = ":order"
 "#,
         log = log.display()
     );
@@ -219,9 +224,11 @@ headers = {{ type = "OrderStatusChanged" }}
             .fetch_all(&pool)
             .await
             .expect("outbox");
-    assert_eq!(emitted.len(), 3, "one message per applied event, none for the stale ones");
+    let destinations: Vec<&str> = emitted.iter().map(|(d, _)| d.as_str()).collect();
+    // One message per applied event (none for the stale ones), and the conditional one for the shipped order only,
+    // to the destination its template makes.
+    assert_eq!(destinations, ["order-status", "order-status", "orders.shipped:v1.a", "order-status"]);
     let first: serde_json::Value = serde_json::from_slice(&emitted[0].1).expect("json payload");
-    assert_eq!(emitted[0].0, "order-status");
     assert_eq!(
         first,
         serde_json::json!({"order": "a", "status": "created", "amount": 12.50, "by": "idem", "literal": ":kept"})
@@ -314,6 +321,11 @@ async fn check_accepts_a_good_file_and_names_each_bad_one_with_its_line() {
         (good.replace("batch_size = 10", "batch_size = \"10\""), "batch_size: invalid type: string \"10\", expected a whole number"),
         (good.clone() + "\n[[consumer.emit]]\nhttp = { url = \"ftp://x\" }\npayload = \":id\"\n", "not an http:// or https:// URL"),
         (good.clone() + "\n[[consumer.emit]]\npayload = \":nothing\"\n", "declare destination"),
+        (good.clone() + "\n[[consumer.emit]]\ndestination = \"t.:nope\"\npayload = \":id\"\n", "`:nope` names no parameter"),
+        (
+            good.clone() + "\n[[consumer.emit]]\ndestination = \"t\"\nwhen = { param = \"id\" }\npayload = \":id\"\n",
+            "exactly one of equals = VALUE or in = [VALUES…]",
+        ),
         ("[database\nurl = 1".into(), ""),
         (good.replace("name = \"ledger\"", "name = \"ledger\"\ngroup = \"ledger\\nv2\""), "holds a line break"),
         (good.replace("batch_size = 10", "batch_size = 10\nstall_after = \"0s\""), "stall_after: 0 would call every partition"),

@@ -164,8 +164,31 @@ impl Breaker {
     }
 }
 
+/// The broker flag with which `idem dead-letters replay` publishes the messages of a source of `system` (its
+/// [`crate::Source::SYSTEM`]) again; HTTP requests need none (their keys are released).
+pub(crate) fn replay_flag(system: &str) -> &'static str {
+    match system {
+        "kafka" => " --kafka BROKERS",
+        "rabbitmq" => " --rabbitmq URL",
+        "nats" => " --nats URL",
+        "aws_sqs" => " --sqs ENDPOINT",
+        "gcp_pubsub" => " --pubsub PROJECT",
+        "http" => "",
+        // The embedded log's (and a source of one's own that keeps the default).
+        _ => " --log-dir DIR",
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_replay_hint_names_the_flag_of_the_source_in_use() {
+        assert_eq!(super::replay_flag("rabbitmq"), " --rabbitmq URL");
+        assert_eq!(super::replay_flag("aws_sqs"), " --sqs ENDPOINT");
+        assert_eq!(super::replay_flag("http"), "");
+        assert_eq!(super::replay_flag("idem"), " --log-dir DIR");
+    }
+
     use super::*;
 
     #[test]

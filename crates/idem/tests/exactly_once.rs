@@ -12,7 +12,7 @@ use idem::{Backend, Engine, Handler, Message, Outcome};
 
 type Pool<DB> = sqlx::Pool<DB>;
 
-/// Document 003's test: the same message twice credits once.
+/// The first test: the same message twice credits once.
 async fn duplicate_does_not_double_apply<DB: Backend>(pool: Pool<DB>)
 where
     Pool<DB>: TestPool,
@@ -307,6 +307,9 @@ where
     assert!(letters[0].error.contains("reused") && letters[0].error.contains("payments/1/0"), "{}", letters[0].error);
     assert_eq!(letters[0].offset, 9);
     assert_eq!(ledger_total(&pool).await, 11);
+    // `idem stats` counts it apart from the other dead letters.
+    let stats = idem::store::stats(&pool, &idem::Tables::default(), None).await.unwrap();
+    assert_eq!((stats[0].dead_letters, stats[0].id_reused), (1, 1), "{stats:?}");
     // Its replay is refused, checked or forced, dry or not, and names the way out.
     let tables = idem::Tables::default();
     let forced = idem::dead_letter::Safety::Forced;

@@ -141,7 +141,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     };
     let db = Db::create(&url, 2).await?;
     let tables = Tables::new(None, PREFIX)?;
-    prepare(&db, &tables).await?;
+    // Made again from the start if the database drops the connection meanwhile.
+    crate::db::reconnecting(|| prepare(&db, &tables)).await?;
 
     let seed = args.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64)
@@ -185,15 +186,25 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         consumed = chain::relay_and_apply(&args, &transport, topic, &url, &plan, seed, &mut summary).await;
     }
     transport.remove().await;
-    consumed?;
+    // The summary is printed whatever failed: what failed is one of its mismatches.
+    let consumed = consumed.map_err(|error| format!("consuming did not finish: {error:#}"));
     // The emulator does not deliver again what a killed consumer held on an ordered subscription.
     let held_back = matches!(transport, Transport::PubSub { .. }) && crate::pubsub::emulator().is_some();
-    match held_back {
-        true => verify_held(&db, &records, &mut summary).await?,
-        false => verify(&db, &plan, &mut summary).await?,
+    let verified = async {
+        match held_back {
+            true => verify_held(&db, &records, &mut summary).await?,
+            false => verify(&db, &plan, &mut summary).await?,
+        }
+        if args.chain {
+            chain::verify(&db, &plan, &mut summary).await?;
+        }
+        anyhow::Ok(())
     }
-    if args.chain {
-        chain::verify(&db, &plan, &mut summary).await?;
+    .await;
+    let verified = verified.map_err(|error| format!("the outcome could not be read from the database: {error:#}"));
+    for failed in [consumed.err(), verified.err()].into_iter().flatten() {
+        summary.mismatches.insert(0, failed);
+        summary.ok = false;
     }
     summary.throughput_per_second = summary.deliveries as f64 / summary.consume_seconds.max(1e-9);
     if temporary {
@@ -343,7 +354,7 @@ async fn consume(
                 summary.processed += report.processed;
                 summary.duplicates_absorbed += report.duplicate;
                 summary.dead_lettered += report.dead_lettered;
-                summary.deliveries += report.processed + report.duplicate + report.dead_lettered;
+                summary.deliveries += report.processed + report.duplicate + report.dead_lettered + report.id_reused;
                 progress.set_position(summary.deliveries.min(records));
             }
         }

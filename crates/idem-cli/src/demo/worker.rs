@@ -137,6 +137,9 @@ pub(super) struct CommitReport {
     pub(super) processed: u64,
     pub(super) duplicate: u64,
     pub(super) dead_lettered: u64,
+    /// Events whose id came again with another payload.
+    #[serde(default)]
+    pub(super) id_reused: u64,
 }
 
 /// `idem demo-worker`: consumes the demo's events until their end (or, with `--follow`, until a signal),
@@ -381,6 +384,7 @@ pub fn report_commit(committed: &Committed) {
         processed: committed.processed,
         duplicate: committed.duplicate,
         dead_lettered: committed.dead_lettered,
+        id_reused: committed.id_reused,
     };
     if let Ok(line) = serde_json::to_string(&report) {
         let mut out = std::io::stdout().lock();

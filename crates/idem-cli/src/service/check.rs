@@ -35,6 +35,21 @@ pub fn embedded_sources(plan: &super::plan::Plan) -> Vec<Problem> {
     problems
 }
 
+/// What each consumer's broker lacks for `idem run` (see [`super::broker::check`]), at the consumer's line.
+pub async fn against_brokers(plan: &Plan) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    for consumer in &plan.consumers {
+        if let Err(e) = super::broker::check(&consumer.source, &consumer.config).await {
+            problems.push(Problem {
+                line: Some(consumer.line),
+                key: format!("consumer `{}` source", consumer.name),
+                message: format!("{e:#}"),
+            });
+        }
+    }
+    problems
+}
+
 /// Every problem the database finds in the plan; empty when it accepts all of it.
 pub async fn against_database<DB: ServiceDb>(pool: &sqlx::Pool<DB>, plan: &Plan) -> Vec<Problem> {
     let mut problems = Vec::new();

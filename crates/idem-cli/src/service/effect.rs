@@ -300,6 +300,7 @@ impl<DB: ServiceDb> Configured<DB> {
     fn messages(&self, values: &[Value]) -> Vec<OutgoingMessage> {
         self.emits
             .iter()
+            .filter(|emit| emit.wanted(&self.params, values))
             .map(|emit| {
                 let payload = emit.payload.render(&self.params, values).to_string();
                 let mut message = OutgoingMessage::new(emit.destination.render(values), payload);
@@ -354,8 +355,9 @@ impl<DB: ServiceDb> Configured<DB> {
         for sql in &self.bulk {
             DB::run_bulk(tx, &sql.rendered, &self.params, std::slice::from_ref(&values)).await.map_err(at(sql))?;
         }
-        if !self.emits.is_empty() {
-            DB::emit(tx, &self.outbox, &self.messages(&values)).await?;
+        let messages = self.messages(&values);
+        if !messages.is_empty() {
+            DB::emit(tx, &self.outbox, &messages).await?;
         }
         Ok(())
     }

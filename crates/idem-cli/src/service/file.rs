@@ -93,6 +93,26 @@ pub struct DelayedRetriesFile {
     pub order: Option<String>,
 }
 
+/// A consumer's `backoff`: the delays between the immediate retries of a failing transaction.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackoffFile {
+    /// The delay after the first failure (`50ms`, the default).
+    pub first: String,
+    /// The longest delay, doubling up to it (`5s`, the default).
+    pub cap: String,
+}
+
+/// A consumer's `kill_switch`: when many messages in a row fail the same way, every partition is held.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KillSwitchFile {
+    /// Messages failing permanently in a row with the same reason that trip it (default 20; 0 turns it off).
+    pub threshold: Option<u32>,
+    /// How long the consumer holds before it tries again (`30s`, the default).
+    pub pause: Option<String>,
+}
+
 /// One `[[consumer]]`.
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -114,6 +134,13 @@ pub struct Consumer {
     /// message still failing is parked in the database and acknowledged, and tried again on the schedule; later
     /// messages of its key wait behind it (`order = "none"`: they do not).
     pub delayed_retries: Option<Spanned<DelayedRetriesFile>>,
+    /// The delays between immediate retries: `{ first = "50ms", cap = "5s" }` (the defaults).
+    pub backoff: Option<Spanned<BackoffFile>>,
+    /// The kill switch: `{ threshold = 20, pause = "30s" }` (the defaults; `threshold = 0` turns it off).
+    pub kill_switch: Option<Spanned<KillSwitchFile>>,
+    /// An event id that comes again with another payload: `skip` (the default: counted and logged at WARN) or
+    /// `dead-letter` (also stored as a dead letter, to be looked at and replayed).
+    pub id_reuse: Option<Spanned<String>>,
     /// How long markers are kept (`8d`); the retention guard checks it against the broker at start-up.
     pub marker_retention: Option<Spanned<String>>,
     /// How long discarded dead letters stay in the archive (`30d`, the default) before the pruner deletes them.
@@ -177,6 +204,10 @@ pub struct KafkaSource {
     /// Extra librdkafka settings.
     #[serde(default)]
     pub settings: BTreeMap<String, String>,
+    /// How long a revocation waits for the batches in progress before letting the partitions go (`30s`).
+    pub drain_timeout: Option<Spanned<String>>,
+    /// Accept pruned markers against a topic that keeps messages forever (`retention.ms=-1`).
+    pub accept_infinite_topic_retention: Option<bool>,
 }
 
 /// `[consumer.nats]`.
@@ -191,6 +222,17 @@ pub struct NatsSource {
     pub ack_wait: Option<Spanned<String>>,
     /// Partitions the stream's messages are spread over by subject.
     pub partitions: Option<u32>,
+    /// Only the stream's messages on this subject (`orders.>`); default all of them.
+    pub filter_subject: Option<String>,
+    /// Deliveries after which a message is dead-lettered instead of handed to the handler again (MaxDeliver of the
+    /// durable consumer when idem creates it); default no limit.
+    pub max_deliver: Option<i64>,
+    /// The durable consumer's name (default one made from the consumer group).
+    pub durable: Option<String>,
+    /// Messages delivered and not yet acknowledged, at most (the durable consumer's MaxAckPending).
+    pub max_ack_pending: Option<i64>,
+    /// Accept pruned markers against a stream that keeps messages forever (`max_age` 0).
+    pub accept_infinite_stream_retention: Option<bool>,
 }
 
 /// `[consumer.rabbitmq]`.
@@ -203,6 +245,12 @@ pub struct RabbitSource {
     pub queues: Vec<String>,
     /// Unacknowledged deliveries per queue (default: the batch size).
     pub prefetch: Option<u16>,
+    /// The queues' `x-delivery-limit` (quorum queues): the last delivery is dead-lettered in the database instead
+    /// of handed to the handler again.
+    pub delivery_limit: Option<u32>,
+    /// Reject a dead-lettered message (without requeue) instead of acknowledging it, so that RabbitMQ also routes
+    /// it to the queue's dead-letter exchange.
+    pub dead_letter_exchange: Option<bool>,
 }
 
 /// `[consumer.sqs]`: region and credentials from the standard AWS configuration.
@@ -221,6 +269,8 @@ pub struct SqsSource {
     pub partitions: Option<u32>,
     /// Receives after which a message is dead-lettered instead of handled again.
     pub max_receive_count: Option<u32>,
+    /// How long one receive waits for messages (long polling, `20s` at most; the default).
+    pub wait_time: Option<Spanned<String>>,
 }
 
 /// `[consumer.pubsub]`: credentials from the standard Google configuration, the emulator through
@@ -312,8 +362,12 @@ pub struct Statement {
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Emit {
-    /// The topic, subject or queue the relay delivers it to (or `http`).
+    /// The topic, subject or queue the relay delivers it to: fixed text in which `:name` is a parameter's value
+    /// (`orders.:type`; `::` is a colon).
     pub destination: Option<Spanned<String>>,
+    /// Emit only for the events whose parameter has one of these values: `{ param = "type", equals = "Shipped" }`
+    /// or `{ param = "type", in = ["Shipped", "Lost"] }`; default every applied event.
+    pub when: Option<Spanned<When>>,
     /// An HTTP request instead of a broker message: the relay sends the payload to the URL, with the event id as
     /// `Idempotency-Key`.
     pub http: Option<Spanned<HttpEmit>>,
@@ -325,6 +379,20 @@ pub struct Emit {
     /// Headers: fixed text or `":name"`.
     #[serde(default)]
     pub headers: BTreeMap<String, String>,
+}
+
+/// `when = { param = "type", equals = "Shipped" }` of an emit: the parameter's value (as JSON) equal to `equals`, or
+/// to one of `in`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct When {
+    /// The parameter.
+    pub param: String,
+    /// The one value that emits.
+    pub equals: Option<toml::Value>,
+    /// The values that emit.
+    #[serde(rename = "in")]
+    pub one_of: Option<Vec<toml::Value>>,
 }
 
 /// `http = { url = "https://…", method = "POST" }` of an emit.
@@ -451,7 +519,7 @@ fn toml_problem(all: &str, origins: &Origins, e: &toml::de::Error) -> Problem {
         .filter(|k| !k.is_empty() && !k.starts_with('['))
         .unwrap_or_default();
     let fix = if message.contains("unknown field") {
-        " (a misspelt key? the README's \"Use idem without writing Rust\" lists every key)"
+        " (a misspelt key? docs/configuration.md lists every key)"
     } else if !from_file && message.contains("expected a string") {
         " (the variable's value is read as TOML: quote a string that looks like a number or a boolean, e.g. \
          '\"123\"')"
@@ -534,5 +602,166 @@ mod tests {
         let missing = expand("${IDEM_FILE_TEST_NOT_SET}").expect_err("refused");
         assert!(missing.contains("IDEM_FILE_TEST_NOT_SET is not set"), "{missing}");
         assert!(expand("${OPEN").is_err());
+    }
+}
+
+/// Every option of the library a service would set has a key in the file: each builder method of
+/// [`idem::Config`] and each field of a broker's configuration is named here with its key, or with why it has
+/// none. A new option without an entry fails this test, so the library and the file cannot drift apart.
+#[cfg(test)]
+mod every_option_has_a_key {
+    /// The `pub fn name(mut self` methods of a source file (builders), or the `pub name:` fields of one struct.
+    fn builders(source: &str) -> Vec<String> {
+        source
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("pub fn "))
+            .filter(|l| l.contains("(mut self"))
+            .filter_map(|l| l.split('(').next())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    fn fields(source: &str, strukt: &str) -> Vec<String> {
+        let start = source.find(&format!("pub struct {strukt} {{")).unwrap_or_else(|| panic!("{strukt} not found"));
+        let body = &source[start..];
+        let body = &body[..body.find("\n}").unwrap_or(body.len())];
+        body.lines()
+            .filter_map(|l| l.strip_prefix("    pub "))
+            .filter_map(|l| l.split(':').next())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The keys the file has: the field names of `strukt` in this module's source.
+    fn keys(strukt: &str) -> Vec<String> {
+        fields(include_str!("file.rs"), strukt)
+    }
+
+    fn check(what: &str, options: Vec<String>, keys: &[String], mapping: &[(&str, &str)]) {
+        for option in options {
+            let Some((_, key)) = mapping.iter().find(|(o, _)| *o == option) else {
+                panic!("{what}: the option `{option}` has no key in the file and no reason for none: add one");
+            };
+            if let Some(reason) = key.strip_prefix("none: ") {
+                assert!(!reason.is_empty(), "{what}.{option}");
+                continue;
+            }
+            assert!(keys.iter().any(|k| k == key), "{what}.{option}: the key `{key}` is not in the file");
+        }
+    }
+
+    #[test]
+    fn the_engines_options() {
+        let mapping = [
+            ("natural_key", "none: the dedup by the effect's own unique key needs a handler that decides, not SQL"),
+            ("partitioned", "layout"),
+            ("kill_switch", "kill_switch"),
+            ("marker_retention", "marker_retention"),
+            ("batch_size", "batch_size"),
+            ("max_attempts", "max_attempts"),
+            ("backoff", "backoff"),
+            ("stall_after", "stall_after"),
+            ("delayed_retries", "delayed_retries"),
+            ("id_reuse", "id_reuse"),
+            ("tables", "none: [database] table_prefix and schema, for every consumer"),
+        ];
+        check("consumer", builders(include_str!("../../../idem/src/config.rs")), &keys("Consumer"), &mapping);
+    }
+
+    #[test]
+    fn the_brokers_options() {
+        let set_by_idem = "none: set by idem run (--exit-at-end)";
+        // The broker, its module's source, its configuration struct, and each field's key (or why none).
+        type Case = (&'static str, &'static str, &'static str, Vec<(&'static str, &'static str)>);
+        let cases: [Case; 5] = [
+            (
+                "kafka",
+                include_str!("../../../idem/src/brokers/kafka/mod.rs"),
+                "KafkaConfig",
+                vec![
+                    ("brokers", "brokers"),
+                    ("topics", "topics"),
+                    ("settings", "settings"),
+                    ("stop_at_end", set_by_idem),
+                    ("drain_timeout", "drain_timeout"),
+                    ("accept_infinite_topic_retention", "accept_infinite_topic_retention"),
+                ],
+            ),
+            (
+                "nats",
+                include_str!("../../../idem/src/brokers/nats/mod.rs"),
+                "NatsConfig",
+                vec![
+                    ("url", "url"),
+                    ("stream", "stream"),
+                    ("durable", "durable"),
+                    ("filter_subject", "filter_subject"),
+                    ("ack_policy", "none: explicit is the only policy idem accepts"),
+                    ("ack_wait", "ack_wait"),
+                    ("max_batch_time", "none: made from ack_wait (at most 10 s, below it)"),
+                    ("max_deliver", "max_deliver"),
+                    ("partitions", "partitions"),
+                    ("max_ack_pending", "max_ack_pending"),
+                    ("stop_at_end", set_by_idem),
+                    ("accept_infinite_stream_retention", "accept_infinite_stream_retention"),
+                ],
+            ),
+            (
+                "rabbitmq",
+                include_str!("../../../idem/src/brokers/rabbitmq/mod.rs"),
+                "RabbitConfig",
+                vec![
+                    ("url", "url"),
+                    ("queues", "queues"),
+                    ("prefetch", "prefetch"),
+                    ("no_ack", "none: acknowledging on delivery would lose messages; always refused"),
+                    ("stop_at_end", set_by_idem),
+                    ("dead_letter_exchange", "dead_letter_exchange"),
+                    ("delivery_limit", "delivery_limit"),
+                ],
+            ),
+            (
+                "sqs",
+                include_str!("../../../idem/src/brokers/sqs/mod.rs"),
+                "SqsConfig",
+                vec![
+                    ("queue", "queue"),
+                    ("endpoint", "endpoint"),
+                    ("region", "region"),
+                    ("wait_time", "wait_time"),
+                    ("max_batch_time", "max_batch_time"),
+                    ("partitions", "partitions"),
+                    ("max_receive_count", "max_receive_count"),
+                    ("stop_at_end", set_by_idem),
+                ],
+            ),
+            (
+                "pubsub",
+                include_str!("../../../idem/src/brokers/pubsub/mod.rs"),
+                "PubSubConfig",
+                vec![
+                    ("project", "project"),
+                    ("subscription", "subscription"),
+                    ("emulator_host", "emulator_host"),
+                    ("partitions", "partitions"),
+                    ("max_batch_time", "max_batch_time"),
+                    ("max_lease", "max_lease"),
+                    ("max_outstanding_messages", "max_outstanding_messages"),
+                    ("require_ordering", "require_ordering"),
+                    ("stop_at_end", set_by_idem),
+                    ("idle_end", "idle_end"),
+                ],
+            ),
+        ];
+        let file_struct = |broker: &str| match broker {
+            "kafka" => "KafkaSource",
+            "nats" => "NatsSource",
+            "rabbitmq" => "RabbitSource",
+            "sqs" => "SqsSource",
+            _ => "PubSubSource",
+        };
+        for (broker, source, strukt, mapping) in cases {
+            check(broker, fields(source, strukt), &keys(file_struct(broker)), &mapping);
+        }
     }
 }

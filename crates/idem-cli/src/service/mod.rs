@@ -10,6 +10,7 @@
 //! A consumer here is the same engine a Rust program builds: the marker in the effect's transaction, the
 //! acknowledgement after the commit, the retries, dead letters and the kill switch.
 
+pub mod broker;
 pub mod check;
 pub mod effect;
 pub mod file;
@@ -58,7 +59,7 @@ pub struct CheckArgs {
     /// The configuration file.
     #[arg(long, short = 'c', env = "IDEM_CONFIG", default_value = "idem.toml")]
     pub config: PathBuf,
-    /// Check the file alone, without connecting to the database.
+    /// Check the file alone, without connecting to the database or the brokers.
     #[arg(long)]
     pub offline: bool,
 }
@@ -100,7 +101,8 @@ fn refused(path: &Path, origins: &overrides::Origins, problems: &[file::Problem]
     anyhow::anyhow!(message)
 }
 
-/// `idem check`: the file, then (unless `--offline`) its statements and guards against the database.
+/// `idem check`: the file, then (unless `--offline`) its statements and guards against the database and what each
+/// consumer needs from its broker.
 pub async fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
     let plan = load(&args.config)?;
     let problems = check::embedded_sources(&plan);
@@ -109,7 +111,8 @@ pub async fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
     }
     if !args.offline {
         let db = Db::open_as(&plan.database.url, 2, &url_setting(&plan)).await?;
-        let problems = with_pool!(db, pool => check::against_database(&pool, &plan).await);
+        let mut problems = with_pool!(db, pool => check::against_database(&pool, &plan).await);
+        problems.extend(check::against_brokers(&plan).await);
         if !problems.is_empty() {
             return Err(refused(&args.config, &plan.origins, &problems));
         }
@@ -129,7 +132,7 @@ pub async fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
         names.len(),
         if names.len() == 1 { "" } else { "s" },
         names.join(", "),
-        if args.offline { "; the database was not consulted (--offline)" } else { "" }
+        if args.offline { "; the database and the brokers were not consulted (--offline)" } else { "" }
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -313,77 +316,32 @@ async fn start<DB: ServiceDb>(
             let source = log.consumer(&config.group, &topics, options)?;
             Ok(launch(engine, consumer, source, handler, shutdown))
         }
-        SourcePlan::Kafka { brokers, topics, settings } => {
-            let topics: Vec<&str> = topics.iter().map(String::as_str).collect();
-            let mut kafka = idem::kafka::KafkaConfig::new(brokers.as_str(), &topics);
-            for (key, value) in settings {
-                kafka = kafka.set(key, value);
-            }
-            kafka.stop_at_end = exit_at_end;
+        SourcePlan::Kafka { .. } => {
+            let kafka = broker::kafka(&consumer.source, exit_at_end)?;
             let source = idem::kafka::KafkaSource::connect(&kafka, config).await?;
             Ok(launch(engine, consumer, source, handler, shutdown))
         }
         #[cfg(feature = "nats")]
-        SourcePlan::Nats { url, stream, ack_wait, partitions } => {
-            let nats = idem::nats::NatsConfig {
-                ack_wait: *ack_wait,
-                max_batch_time: (*ack_wait).min(std::time::Duration::from_secs(10)),
-                stop_at_end: exit_at_end,
-                partitions: *partitions,
-                ..idem::nats::NatsConfig::new(url.as_str(), stream.as_str())
-            };
+        SourcePlan::Nats { .. } => {
+            let nats = broker::nats(&consumer.source, exit_at_end)?;
             let source = idem::nats::NatsSource::connect(&nats, config).await?;
             Ok(launch(engine, consumer, source, handler, shutdown))
         }
         #[cfg(feature = "rabbitmq")]
-        SourcePlan::Rabbit { url, queues, prefetch } => {
-            let queues: Vec<&str> = queues.iter().map(String::as_str).collect();
-            let rabbit = idem::rabbitmq::RabbitConfig {
-                prefetch: *prefetch,
-                stop_at_end: exit_at_end,
-                ..idem::rabbitmq::RabbitConfig::new(url.as_str(), &queues)
-            };
+        SourcePlan::Rabbit { .. } => {
+            let rabbit = broker::rabbitmq(&consumer.source, exit_at_end)?;
             let source = idem::rabbitmq::RabbitSource::connect(&rabbit, config).await?;
             Ok(launch(engine, consumer, source, handler, shutdown))
         }
         #[cfg(feature = "sqs")]
-        SourcePlan::Sqs { queue, endpoint, region, max_batch_time, partitions, max_receive_count } => {
-            let sqs = idem::sqs::SqsConfig {
-                endpoint: endpoint.clone(),
-                region: region.clone(),
-                max_batch_time: *max_batch_time,
-                partitions: *partitions,
-                max_receive_count: *max_receive_count,
-                stop_at_end: exit_at_end,
-                ..idem::sqs::SqsConfig::new(queue.as_str())
-            };
+        SourcePlan::Sqs { .. } => {
+            let sqs = broker::sqs(&consumer.source, exit_at_end)?;
             let source = idem::sqs::SqsSource::connect(&sqs, config).await?;
             Ok(launch(engine, consumer, source, handler, shutdown))
         }
         #[cfg(feature = "pubsub")]
-        SourcePlan::PubSub {
-            subscription,
-            project,
-            emulator_host,
-            partitions,
-            max_batch_time,
-            max_lease,
-            require_ordering,
-            max_outstanding_messages,
-            idle_end,
-        } => {
-            let pubsub = idem::pubsub::PubSubConfig {
-                project: project.clone(),
-                emulator_host: emulator_host.clone(),
-                partitions: *partitions,
-                max_batch_time: *max_batch_time,
-                max_lease: *max_lease,
-                require_ordering: *require_ordering,
-                max_outstanding_messages: *max_outstanding_messages,
-                stop_at_end: exit_at_end,
-                idle_end: *idle_end,
-                ..idem::pubsub::PubSubConfig::new(subscription.as_str())
-            };
+        SourcePlan::PubSub { .. } => {
+            let pubsub = broker::pubsub(&consumer.source, exit_at_end)?;
             let source = idem::pubsub::PubSubSource::connect(&pubsub, config).await?;
             Ok(launch(engine, consumer, source, handler, shutdown))
         }

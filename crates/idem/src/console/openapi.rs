@@ -366,8 +366,8 @@ pub fn document() -> Value {
                 "Markers": object(json!({
                     "groups": { "type": "array", "items": object(json!({
                         "consumer_group": string(), "markers": integer(), "dead_letters": integer(),
-                        "oldest_marker_age_seconds": { "type": "number", "nullable": true },
-                    }), &["consumer_group", "markers", "dead_letters", "oldest_marker_age_seconds"]) },
+                        "id_reused": integer(), "oldest_marker_age_seconds": { "type": "number", "nullable": true },
+                    }), &["consumer_group", "markers", "dead_letters", "id_reused", "oldest_marker_age_seconds"]) },
                     "prune": object(json!({ "retention": string(), "would_delete": integer(), "command": string(), "warning": nullable_string() }), &["retention", "would_delete", "command"]),
                 }), &["groups", "prune"]),
                 "Outbox": object(json!({

@@ -209,6 +209,7 @@ impl<DB: Backend> Engine<DB> {
         let group = &config.group;
         metrics::gauge!("consumer_paused", "consumer_group" => group.clone()).set(1.0);
         metrics::counter!("kill_switch_trips_total", "consumer_group" => group.clone()).increment(1);
+        let system = self.inner.system.get().copied().unwrap_or("idem");
         tracing::error!(
             consumer_group = %group,
             reason,
@@ -217,8 +218,9 @@ impl<DB: Backend> Engine<DB> {
             "kill switch tripped: {} messages in a row failed the same way, which is not their fault; holding every \
              partition (nothing is acknowledged) and trying again after the pause. Fix the cause, then replay the \
              messages dead-lettered before the trip: idem dead-letters replay --group {group} --matching '<part of \
-             the reason>' --all (--log-dir DIR | --kafka BROKERS)",
-            config.kill_switch.threshold
+             the reason>' --all{}",
+            config.kill_switch.threshold,
+            crate::kill_switch::replay_flag(system),
         );
     }
 
@@ -274,7 +276,6 @@ impl<DB: Backend> Engine<DB> {
                 metrics::histogram!("event_handle_duration_seconds", "consumer_group" => config.group.clone(),
                     "topic" => topic.to_owned())
                 .record(started.elapsed().as_secs_f64());
-                self.log_outcomes(items, &outcomes, started);
                 Ok(Ok((outcomes, started)))
             }
             Err((attempts, failure)) => match failure {

@@ -173,6 +173,7 @@ impl<DB: Backend> Engine<DB> {
     /// In the run loop, after a transaction of one message, the transaction a store opened while committing waits
     /// for the next batch (see [`super::warm`]), which takes it instead of a connection and a `BEGIN`.
     pub(super) async fn transaction<A: Apply<DB>>(&self, items: &[Item], apply: &A) -> Result<Vec<Outcome>, Failure> {
+        let started = std::time::Instant::now();
         let tx = match self.inner.warm.take() {
             Some(tx) => tx,
             None => {
@@ -185,7 +186,12 @@ impl<DB: Backend> Engine<DB> {
             .in_open_transaction(
                 tx,
                 async |tx| self.claim_and_apply(&mut *tx, items, apply).await,
-                |outcomes| self.committed(topic, outcomes),
+                // Counted and logged as soon as the transaction ends, before the acknowledgement: a process killed
+                // between the two still leaves each event's line.
+                |outcomes| {
+                    self.committed(topic, outcomes);
+                    self.log_outcomes(items, outcomes, started);
+                },
             )
             .await?;
         if let Some(next) = next

@@ -12,7 +12,8 @@ use crate::message::{Event, Handled};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Disallowed {
-    /// Commit it with its marker and apply nothing: counted `rejected`, logged at INFO with the state.
+    /// Commit it with its marker and apply nothing: counted `rejected`, logged at INFO with the state. (An event of
+    /// a type the declaration does not name is dead-lettered under either policy.)
     #[default]
     Reject,
     /// Dead-letter it, with the state and the allowed types in the reason, for an operator to look at.
@@ -171,7 +172,7 @@ impl StateMachineSpec {
 }
 
 /// Declared transitions (state × event type → next state), checked inside idem's transaction under a lock on the
-/// entity's row (document 003: "only accept OrderCancelled if current state is confirmed").
+/// entity's row ("only accept OrderCancelled if the order is confirmed").
 ///
 /// [`StateMachine::check`] moves the row to the next state and returns [`Decision::Apply`]; an event its state
 /// does not allow is rejected ([`Handled::Rejected`], [`Decision::Skip`]) or dead-lettered, by
@@ -316,19 +317,22 @@ impl<DB: GuardStore> StateMachine<DB> {
         let spec = &self.spec;
         let allowed: Vec<&str> = spec.transitions.iter().filter(|t| t.from == state).map(|t| t.on.as_str()).collect();
         let allowed = if allowed.is_empty() { "none".to_owned() } else { allowed.join(", ") };
-        let known = spec.types.iter().any(|t| t == event_type);
+        if !spec.types.iter().any(|t| t == event_type) {
+            // Under either policy: a type the configuration does not know is a mistake to fix, not a business
+            // refusal, so it stays findable and replayable (the engine logs the dead letter at WARN and counts it).
+            return Err(HandlerError::permanent(format!(
+                "state machine on `{}`: event type `{event_type}` is not declared (types: {}): declare it in                  `types` with its transitions, then replay this dead letter",
+                spec.table,
+                spec.types.join(", ")
+            )));
+        }
         match spec.on_disallowed {
             Disallowed::Reject => {
                 event.mark(Handled::Rejected);
                 tracing::info!(event_id = %event.id, table = %spec.table, entity, state, event_type, allowed,
-                    known_type = known, outcome = "rejected", "event not allowed in the entity's state; rejected");
+                    outcome = "rejected", "event not allowed in the entity's state; rejected");
                 Ok(Decision::Skip)
             }
-            Disallowed::DeadLetter if !known => Err(HandlerError::permanent(format!(
-                "state machine on `{}`: event type `{event_type}` is not declared (types: {})",
-                spec.table,
-                spec.types.join(", ")
-            ))),
             Disallowed::DeadLetter => Err(HandlerError::permanent(format!(
                 "state machine on `{}`: `{event_type}` is not allowed in state `{state}` of entity {entity} \
                  (allowed there: {allowed})",

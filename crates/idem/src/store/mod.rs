@@ -413,7 +413,8 @@ where
     }
 }
 
-/// A group's figures from a row of either store: group, markers, oldest marker's age in seconds, dead letters.
+/// A group's figures from a row of any store: group, markers, oldest marker's age in seconds, dead letters, and
+/// those of them that are ids reused with another payload.
 impl<'r, R: sqlx::Row> sqlx::FromRow<'r, R> for GroupStats
 where
     usize: sqlx::ColumnIndex<R>,
@@ -427,6 +428,7 @@ where
             markers: row.try_get(1)?,
             oldest_marker_age_seconds: row.try_get(2)?,
             dead_letters: row.try_get(3)?,
+            id_reused: row.try_get(4)?,
         })
     }
 }
@@ -485,6 +487,8 @@ pub struct GroupStats {
     pub oldest_marker_age_seconds: Option<f64>,
     /// Dead letters stored.
     pub dead_letters: i64,
+    /// Of the dead letters, those of an event id that came again with another payload (`id_reused`).
+    pub id_reused: i64,
 }
 
 /// Marker and dead-letter figures per consumer group (`idem stats`).

@@ -22,13 +22,15 @@ pub struct PlannedSql {
     pub expect_rows: Option<u64>,
 }
 
-/// Text that is fixed or a parameter's value.
+/// Text that is fixed, a parameter's value, or pieces of both.
 #[derive(Debug, Clone)]
 pub enum TextPart {
     /// As written.
     Fixed(String),
     /// The value of the parameter at this index.
     Param(usize),
+    /// Fixed text and parameters' values, one after the other (`orders.:type`).
+    Joined(Vec<TextPart>),
 }
 
 /// A JSON payload template.
@@ -47,6 +49,8 @@ pub enum JsonPart {
 /// A message enqueued with each applied event.
 #[derive(Debug, Clone)]
 pub struct EmitPlan {
+    /// Only for events whose parameter (at this index) has one of these values.
+    pub when: Option<(usize, Vec<Json>)>,
     /// Where it goes.
     pub destination: TextPart,
     /// Its key.
@@ -63,8 +67,57 @@ impl TextPart {
         match self {
             TextPart::Fixed(t) => t.clone(),
             TextPart::Param(i) => values[*i].to_text(),
+            TextPart::Joined(parts) => parts.iter().map(|p| p.render(values)).collect(),
         }
     }
+}
+
+impl EmitPlan {
+    /// Whether the event with these values emits this message.
+    pub fn wanted(&self, params: &[Param], values: &[Value]) -> bool {
+        self.when.as_ref().is_none_or(|(i, accepted)| accepted.contains(&values[*i].to_json(params[*i].ty)))
+    }
+}
+
+/// `text` with `:name` read as the parameter's value wherever it stands (`orders.:type`), `::` as a colon; an
+/// unknown name is `Err` naming it.
+fn text_template(text: &str, params: &[Param]) -> Result<TextPart, String> {
+    let mut parts = Vec::new();
+    let mut fixed = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find(':') {
+        fixed.push_str(&rest[..at]);
+        let after = &rest[at + 1..];
+        if let Some(more) = after.strip_prefix(':') {
+            fixed.push(':');
+            rest = more;
+            continue;
+        }
+        let len = after.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(after.len());
+        let name = &after[..len];
+        if name.is_empty() || name.starts_with(|c: char| c.is_ascii_digit()) {
+            fixed.push(':');
+            rest = after;
+            continue;
+        }
+        let i = params.iter().position(|p| p.name == name).ok_or_else(|| {
+            format!("`:{name}` names no parameter: declare it under the consumer's params (write `::` for a colon)")
+        })?;
+        if !fixed.is_empty() {
+            parts.push(TextPart::Fixed(std::mem::take(&mut fixed)));
+        }
+        parts.push(TextPart::Param(i));
+        rest = &after[len..];
+    }
+    fixed.push_str(rest);
+    if !fixed.is_empty() {
+        parts.push(TextPart::Fixed(fixed));
+    }
+    Ok(match parts.len() {
+        0 => TextPart::Fixed(String::new()),
+        1 => parts.remove(0),
+        _ => TextPart::Joined(parts),
+    })
 }
 
 impl JsonPart {
@@ -173,7 +226,13 @@ pub(super) fn plan(
     for (n, emit) in c.emits.iter().enumerate() {
         let key_path = |f: &str| here(&format!("emit[{n}].{f}"));
         let (destination, method) = match (&emit.destination, &emit.http) {
-            (Some(d), None) => (param_ref(problems, d.get_ref(), &key_path("destination"), d), None),
+            (Some(d), None) => match text_template(d.get_ref(), &params) {
+                Ok(destination) => (Some(destination), None),
+                Err(e) => {
+                    problems.at(d, &key_path("destination"), e);
+                    (None, None)
+                }
+            },
             (None, Some(http)) => match http_emit(http.get_ref()) {
                 Ok((url, method)) => (Some(TextPart::Fixed(url)), Some(method)),
                 Err(e) => {
@@ -209,15 +268,43 @@ pub(super) fn plan(
             .collect();
         let payload = json_template(emit.payload.get_ref(), &params)
             .map_err(|e| problems.at(&emit.payload, &key_path("payload"), e));
-        if let (Some(destination), Some(key), Ok(payload)) = (destination, key.transpose_default(), payload) {
+        let when = match &emit.when {
+            None => Some(None),
+            Some(when) => match when_of(when.get_ref(), &params) {
+                Ok(when) => Some(Some(when)),
+                Err(e) => {
+                    problems.at(when, &key_path("when"), e);
+                    None
+                }
+            },
+        };
+        if let (Some(destination), Some(key), Ok(payload), Some(when)) =
+            (destination, key.transpose_default(), payload, when)
+        {
             let mut headers: Vec<(String, TextPart)> = headers.into_iter().filter_map(|(h, v)| Some((h, v?))).collect();
             if let Some(method) = method {
                 headers.push((idem::outbox::METHOD_HEADER.to_owned(), TextPart::Fixed(method)));
             }
-            emits.push(EmitPlan { destination, key, payload, headers });
+            emits.push(EmitPlan { when, destination, key, payload, headers });
         }
     }
     (params, each, bulk, emits)
+}
+
+/// An emit's condition: the parameter's index and the values (as JSON) that emit.
+fn when_of(when: &file::When, params: &[Param]) -> Result<(usize, Vec<Json>), String> {
+    let name = when.param.strip_prefix(':').unwrap_or(&when.param);
+    let i = params
+        .iter()
+        .position(|p| p.name == name)
+        .ok_or_else(|| format!("param = \"{name}\" names no parameter: declare it under the consumer's params"))?;
+    let values = match (&when.equals, &when.one_of) {
+        (Some(one), None) => vec![one.clone()],
+        (None, Some(many)) if !many.is_empty() => many.clone(),
+        _ => return Err("give exactly one of equals = VALUE or in = [VALUES…]".into()),
+    };
+    let values = values.iter().map(|v| serde_json::to_value(v).map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
+    Ok((i, values))
 }
 
 /// The URL and method of an HTTP emit, checked.

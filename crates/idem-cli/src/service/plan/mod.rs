@@ -117,7 +117,11 @@ pub fn plan(text: &Text, file: File) -> Result<Plan, Vec<Problem>> {
         });
     let console = file.console.as_ref().and_then(|section| console_plan(&mut problems, section));
     if file.consumers.is_empty() {
-        problems.line(1, "consumer", "the file declares no [[consumer]]: add one (see the README's complete file)");
+        problems.line(
+            1,
+            "consumer",
+            "the file declares no [[consumer]]: add one (see examples/config/payments.toml and docs/configuration.md)",
+        );
     }
     let mut names: Vec<&str> = Vec::new();
     let mut consumers = Vec::new();
@@ -254,6 +258,11 @@ fn duration(problems: &mut Problems<'_>, value: &Spanned<String>, key: &str) -> 
     idem::duration::parse(value.get_ref()).map_err(|e| problems.at(value, key, e.to_string())).ok()
 }
 
+/// A duration written inside a table (whose keys carry no position of their own), or why it is not one.
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    idem::duration::parse(text).map_err(|e| e.to_string())
+}
+
 fn consumer_plan(
     problems: &mut Problems<'_>,
     i: usize,
@@ -310,6 +319,40 @@ fn consumer_plan(
         match parsed {
             Ok(retries) => config = config.delayed_retries(retries),
             Err(e) => problems.at(spanned, &here("delayed_retries"), e.to_string()),
+        }
+    }
+    if let Some(spanned) = &c.backoff {
+        let b = spanned.get_ref();
+        let first = parse_duration(&b.first).map_err(|e| problems.at(spanned, &here("backoff.first"), e));
+        let cap = parse_duration(&b.cap).map_err(|e| problems.at(spanned, &here("backoff.cap"), e));
+        if let (Ok(first), Ok(cap)) = (first, cap) {
+            match idem::Backoff::new(first, cap).validate("backoff") {
+                Ok(()) => config = config.backoff(first, cap),
+                Err(e) => problems.at(spanned, &here("backoff"), e.to_string()),
+            }
+        }
+    }
+    if let Some(spanned) = &c.kill_switch {
+        let k = spanned.get_ref();
+        let mut switch = idem::KillSwitch::default();
+        if let Some(threshold) = k.threshold {
+            switch.threshold = threshold;
+        }
+        match k.pause.as_deref().map(parse_duration) {
+            Some(Err(e)) => problems.at(spanned, &here("kill_switch.pause"), e),
+            Some(Ok(pause)) if pause.is_zero() => {
+                problems.at(spanned, &here("kill_switch.pause"), "0 would not hold at all: use e.g. \"30s\"")
+            }
+            Some(Ok(pause)) => switch.pause = pause,
+            None => {}
+        }
+        config = config.kill_switch(switch);
+    }
+    if let Some(policy) = &c.id_reuse {
+        match policy.get_ref().as_str() {
+            "skip" => config = config.id_reuse(idem::IdReusePolicy::Skip),
+            "dead-letter" => config = config.id_reuse(idem::IdReusePolicy::DeadLetter),
+            other => problems.at(policy, &here("id_reuse"), format!("`{other}` is no policy: use skip or dead-letter")),
         }
     }
     if let Some(r) = &c.marker_retention

@@ -16,11 +16,33 @@ pub enum SourcePlan {
     /// The embedded log.
     Embedded { dir: String, topics: Vec<String> },
     /// Kafka.
-    Kafka { brokers: String, topics: Vec<String>, settings: Vec<(String, String)> },
+    Kafka {
+        brokers: String,
+        topics: Vec<String>,
+        settings: Vec<(String, String)>,
+        drain_timeout: Option<Duration>,
+        accept_infinite_topic_retention: bool,
+    },
     /// NATS JetStream.
-    Nats { url: String, stream: String, ack_wait: Duration, partitions: u32 },
+    Nats {
+        url: String,
+        stream: String,
+        ack_wait: Duration,
+        partitions: u32,
+        filter_subject: Option<String>,
+        max_deliver: Option<i64>,
+        durable: Option<String>,
+        max_ack_pending: Option<i64>,
+        accept_infinite_stream_retention: bool,
+    },
     /// RabbitMQ.
-    Rabbit { url: String, queues: Vec<String>, prefetch: Option<u16> },
+    Rabbit {
+        url: String,
+        queues: Vec<String>,
+        prefetch: Option<u16>,
+        delivery_limit: Option<u32>,
+        dead_letter_exchange: bool,
+    },
     /// Amazon SQS.
     Sqs {
         queue: String,
@@ -29,6 +51,7 @@ pub enum SourcePlan {
         max_batch_time: Duration,
         partitions: u32,
         max_receive_count: Option<u32>,
+        wait_time: Option<Duration>,
     },
     /// Google Cloud Pub/Sub.
     PubSub {
@@ -98,7 +121,17 @@ pub(super) fn plan(
         topics(problems, &k.topics, "kafka.topics");
         let brokers = expanded(problems, &k.brokers, &here("kafka.brokers"))?;
         let settings = k.settings.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        return Some(SourcePlan::Kafka { brokers, topics: k.topics.clone(), settings });
+        let drain_timeout = match &k.drain_timeout {
+            Some(t) => Some(duration(problems, t, &here("kafka.drain_timeout"))?),
+            None => None,
+        };
+        return Some(SourcePlan::Kafka {
+            brokers,
+            topics: k.topics.clone(),
+            settings,
+            drain_timeout,
+            accept_infinite_topic_retention: k.accept_infinite_topic_retention.unwrap_or(false),
+        });
     }
     if let Some(n) = &c.nats {
         let url = expanded(problems, &n.url, &here("nats.url"))?;
@@ -111,6 +144,11 @@ pub(super) fn plan(
             stream: n.stream.clone(),
             ack_wait,
             partitions: n.partitions.unwrap_or(1),
+            filter_subject: n.filter_subject.clone(),
+            max_deliver: n.max_deliver,
+            durable: n.durable.clone(),
+            max_ack_pending: n.max_ack_pending,
+            accept_infinite_stream_retention: n.accept_infinite_stream_retention.unwrap_or(false),
         });
     }
     if let Some(q) = &c.sqs {
@@ -125,6 +163,10 @@ pub(super) fn plan(
             Some(t) => duration(problems, t, &here("sqs.max_batch_time"))?,
             None => Duration::from_secs(30),
         };
+        let wait_time = match &q.wait_time {
+            Some(t) => Some(duration(problems, t, &here("sqs.wait_time"))?),
+            None => None,
+        };
         return Some(SourcePlan::Sqs {
             queue: q.queue.clone(),
             endpoint,
@@ -132,6 +174,7 @@ pub(super) fn plan(
             max_batch_time,
             partitions: q.partitions.unwrap_or(8),
             max_receive_count: q.max_receive_count,
+            wait_time,
         });
     }
     if let Some(g) = &c.pubsub {
@@ -190,7 +233,13 @@ pub(super) fn plan(
     }
     topics(problems, &r.queues, "rabbitmq.queues");
     let url = expanded(problems, &r.url, &here("rabbitmq.url"))?;
-    Some(SourcePlan::Rabbit { url, queues: r.queues.clone(), prefetch: r.prefetch })
+    Some(SourcePlan::Rabbit {
+        url,
+        queues: r.queues.clone(),
+        prefetch: r.prefetch,
+        delivery_limit: r.delivery_limit,
+        dead_letter_exchange: r.dead_letter_exchange.unwrap_or(false),
+    })
 }
 
 /// `[consumer.http]`: the address, a plain path, the limits and the signature with its secret (read now, so that

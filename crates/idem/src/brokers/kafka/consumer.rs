@@ -190,26 +190,7 @@ impl KafkaSource {
     ) -> Result<Self, Error> {
         config.validate()?;
         engine.validate()?;
-        let mut retentions = Vec::with_capacity(config.topics.len());
-        for topic in &config.topics {
-            let retention = match topic_retention_ms(&config.brokers, topic).await {
-                Ok(retention) => retention,
-                Err(error) => {
-                    tracing::warn!(topic, %error, "kafka: cannot read the topic's retention.ms");
-                    None
-                }
-            };
-            if let Some(ms) = retention.filter(|ms| *ms >= 0) {
-                metrics::gauge!("kafka_topic_retention_seconds", "topic" => topic.clone()).set(ms as f64 / 1000.0);
-            }
-            retentions.push((topic.clone(), retention));
-        }
-        let policy = crate::retention::RetentionPolicy {
-            marker_retention: engine.pruning.retention,
-            accept_infinite_retention: config.accept_infinite_topic_retention,
-            broker: crate::retention::KAFKA_TOPIC,
-        };
-        policy.check(&retentions)?;
+        retention_guard(config, engine).await?;
 
         let (tx, rx) = mpsc::channel(1024);
         let shared = Arc::new(Shared {
@@ -265,6 +246,67 @@ impl KafkaSource {
         assigned.sort();
         assigned
     }
+}
+
+/// What a consumer of `config` needs from the cluster, checked without joining its group: the brokers answer
+/// (with the configured security settings), each topic exists, and keeps messages longer than `engine`'s markers.
+/// `idem check` runs it; [`KafkaSource::connect`] meets the same faults when it starts.
+pub async fn check(config: &KafkaConfig, engine: &crate::Config) -> Result<(), Error> {
+    config.validate()?;
+    engine.validate()?;
+    let mut client = ClientConfig::new();
+    client.set("bootstrap.servers", &config.brokers);
+    for (key, value) in &config.settings {
+        client.set(key, value);
+    }
+    let probe: BaseConsumer =
+        client.create().map_err(|e| Error::Config(format!("kafka client for {}: {e}", config.brokers)))?;
+    let metadata = tokio::task::spawn_blocking(move || probe.fetch_metadata(None, Duration::from_secs(10)))
+        .await
+        .map_err(|e| Error::Config(format!("kafka metadata request: {e}")))?
+        .map_err(|e| Error::Connect { target: format!("kafka {}", config.brokers), reason: e.to_string() })?;
+    for topic in &config.topics {
+        use rdkafka::types::RDKafkaErrorCode;
+        let found = metadata.topics().iter().find(|t| t.name() == topic);
+        let fault = match found.map(|t| (t.error().map(RDKafkaErrorCode::from), t.partitions().is_empty())) {
+            Some((None, false)) => continue,
+            None | Some((None, true) | (Some(RDKafkaErrorCode::UnknownTopicOrPartition), _)) => format!(
+                "it does not exist on {}: create it (kafka-topics.sh --create --topic {topic}), or fix its name",
+                config.brokers
+            ),
+            Some((Some(RDKafkaErrorCode::TopicAuthorizationFailed), _)) => {
+                "this client may not describe it (topic authorization failed): grant it Describe and Read".into()
+            }
+            Some((Some(code), _)) => code.to_string(),
+        };
+        return Err(Error::Config(format!("kafka topic `{topic}`: {fault}")));
+    }
+    retention_guard(config, engine).await
+}
+
+/// The retention guard: every topic keeps its messages longer than the markers are kept.
+async fn retention_guard(config: &KafkaConfig, engine: &crate::Config) -> Result<(), Error> {
+    let mut retentions = Vec::with_capacity(config.topics.len());
+    for topic in &config.topics {
+        let retention = match topic_retention_ms(&config.brokers, topic).await {
+            Ok(retention) => retention,
+            Err(error) => {
+                tracing::warn!(topic, %error, "kafka: cannot read the topic's retention.ms");
+                None
+            }
+        };
+        if let Some(ms) = retention.filter(|ms| *ms >= 0) {
+            metrics::gauge!("kafka_topic_retention_seconds", "topic" => topic.clone()).set(ms as f64 / 1000.0);
+        }
+        retentions.push((topic.clone(), retention));
+    }
+    let policy = crate::retention::RetentionPolicy {
+        marker_retention: engine.pruning.retention,
+        accept_infinite_retention: config.accept_infinite_topic_retention,
+        broker: crate::retention::KAFKA_TOPIC,
+    };
+    policy.check(&retentions)?;
+    Ok(())
 }
 
 fn poll_loop(consumer: &BaseConsumer<Context>, shared: &Shared) {

@@ -3,7 +3,7 @@
 //!
 //! The source always runs with `enable.auto.commit=false` and `enable.auto.offset.store=false`: offsets are
 //! committed by idem, per partition, only up to messages whose database transaction committed. A setting that
-//! turns auto-commit on is refused at start-up (document 000, failure row 2). On revocation (eager or
+//! turns auto-commit on is refused at start-up (a crash would lose what was committed to Kafka but not to the database). On revocation (eager or
 //! cooperative) the partitions are drained through the engine before they go: in-flight work finishes, its
 //! offsets are committed synchronously, then the partitions are released.
 
@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 pub use admin::{create_topic, delete_topic, topic_retention_ms};
-pub use consumer::KafkaSource;
+pub use consumer::{KafkaSource, check};
 pub use producer::{EVENT_ID_HEADER, KafkaProducer};
 
 use crate::error::Error;

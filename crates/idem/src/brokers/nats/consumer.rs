@@ -42,37 +42,80 @@ pub struct NatsSource {
     group: String,
 }
 
+/// What a consumer of `config` needs from the server, checked without creating or reading anything: the server
+/// answers, the stream exists and keeps messages longer than `engine`'s markers, and it holds the consumer's
+/// filter subject. [`NatsSource::connect`] starts with the same; `idem check` runs it alone.
+pub async fn check(config: &NatsConfig, engine: &crate::Config) -> Result<(), Error> {
+    open_stream(config, engine).await.map(drop)
+}
+
+/// Connects and opens the stream, with the checks of [`check`].
+async fn open_stream(
+    config: &NatsConfig,
+    engine: &crate::Config,
+) -> Result<(async_nats::Client, async_nats::jetstream::stream::Stream), Error> {
+    config.validate()?;
+    engine.validate()?;
+    let client = connect(&config.url).await?;
+    let js = async_nats::jetstream::new(client.clone());
+    let mut stream = js.get_stream(&config.stream).await.map_err(|e| {
+        Error::Config(format!(
+            "nats stream {}: {e}. Fix: create the stream (nats stream add {} --subjects …) or name an existing \
+             one",
+            config.stream, config.stream
+        ))
+    })?;
+    let info = stream
+        .info()
+        .await
+        .map_err(|e| Error::Config(format!("nats stream {}: cannot read its configuration: {e}", config.stream)))?;
+    // max_age 0 means forever, which the guard spells as a negative retention.
+    let max_age = info.config.max_age;
+    let retention_ms = if max_age.is_zero() { -1 } else { max_age.as_millis() as i64 };
+    metrics::gauge!("nats_stream_max_age_seconds", "stream" => config.stream.clone()).set(max_age.as_secs_f64());
+    RetentionPolicy {
+        marker_retention: engine.pruning.retention,
+        accept_infinite_retention: config.accept_infinite_stream_retention,
+        broker: JETSTREAM_STREAM,
+    }
+    .check(&[(config.stream.clone(), Some(retention_ms))])?;
+
+    if let Some(filter) = config.filter_subject.as_deref().filter(|f| !f.is_empty())
+        && !info.config.subjects.iter().any(|subject| subject_covers(subject, filter))
+    {
+        return Err(Error::Config(format!(
+            "nats stream {} does not hold the subject {filter} (its subjects: {}): add it to the stream (nats stream \
+             edit {} --subjects …), or fix filter_subject",
+            config.stream,
+            info.config.subjects.join(", "),
+            config.stream
+        )));
+    }
+    Ok((client, stream))
+}
+
+/// Whether a stream's subject (`orders.>`, `orders.*.created`) takes every message of `filter`.
+fn subject_covers(subject: &str, filter: &str) -> bool {
+    let mut pattern = subject.split('.');
+    let mut tokens = filter.split('.');
+    loop {
+        match (pattern.next(), tokens.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(token)) if token != ">" => {}
+            (Some(p), Some(t)) if p == t => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
 impl NatsSource {
     /// Validates `config`, connects, runs the retention guard against the stream's `max_age` with `engine`'s
     /// marker retention, finds or creates the durable consumer (named after `engine.group` unless
     /// [`NatsConfig::durable`] says otherwise), checks its acknowledgement policy and AckWait, and starts the
     /// in-progress acknowledgements.
     pub async fn connect(config: &NatsConfig, engine: &crate::Config) -> Result<Self, Error> {
-        config.validate()?;
-        engine.validate()?;
-        let client = connect(&config.url).await?;
-        let js = async_nats::jetstream::new(client.clone());
-        let mut stream = js.get_stream(&config.stream).await.map_err(|e| {
-            Error::Config(format!(
-                "nats stream {}: {e}. Fix: create the stream (nats stream add {} --subjects …) or name an existing \
-                 one",
-                config.stream, config.stream
-            ))
-        })?;
-        let info = stream
-            .info()
-            .await
-            .map_err(|e| Error::Config(format!("nats stream {}: cannot read its configuration: {e}", config.stream)))?;
-        // max_age 0 means forever, which the guard spells as a negative retention.
-        let max_age = info.config.max_age;
-        let retention_ms = if max_age.is_zero() { -1 } else { max_age.as_millis() as i64 };
-        metrics::gauge!("nats_stream_max_age_seconds", "stream" => config.stream.clone()).set(max_age.as_secs_f64());
-        RetentionPolicy {
-            marker_retention: engine.pruning.retention,
-            accept_infinite_retention: config.accept_infinite_stream_retention,
-            broker: JETSTREAM_STREAM,
-        }
-        .check(&[(config.stream.clone(), Some(retention_ms))])?;
+        let (client, stream) = open_stream(config, engine).await?;
 
         let durable = config.durable.clone().unwrap_or_else(|| durable_name(&engine.group));
         let wanted = pull::Config {
@@ -291,5 +334,22 @@ impl Source for NatsSource {
 impl Drop for NatsSource {
     fn drop(&mut self) {
         self.progress.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::subject_covers;
+
+    #[test]
+    fn a_stream_subject_covers_what_its_wildcards_match() {
+        assert!(subject_covers("orders.>", "orders.created"));
+        assert!(subject_covers("orders.>", "orders.>"));
+        assert!(subject_covers("orders.*.created", "orders.eu.created"));
+        assert!(subject_covers("orders", "orders"));
+        assert!(!subject_covers("orders.*", "orders.>"));
+        assert!(!subject_covers("orders.*", "orders.eu.created"));
+        assert!(!subject_covers("orders", "orders.created"));
+        assert!(!subject_covers("payments.>", "orders.created"));
     }
 }

@@ -8,7 +8,7 @@
 //! * **AckWait.** While a batch runs, the source sends in-progress acknowledgements (`+WPI`) every third of
 //!   AckWait for every message it handed out and has not acknowledged, so AckWait never expires mid-transaction.
 //!   As a second line, start-up is refused when AckWait is shorter than [`NatsConfig::max_batch_time`], the
-//!   longest a batch may take (the visibility-timeout rule of document 003, as it applies to JetStream).
+//!   longest a batch may take (as SQS's visibility timeout must, on JetStream).
 //! * **Retention.** The stream's `max_age` is checked against the marker retention at start-up, with the rules
 //!   of the Kafka guard ([`crate::retention`]): `max_age=0` (forever) needs markers that are never pruned or an
 //!   explicit, logged override.
@@ -31,7 +31,7 @@ mod producer;
 
 use std::time::Duration;
 
-pub use consumer::NatsSource;
+pub use consumer::{NatsSource, check};
 pub use producer::{MSG_ID_HEADER, NatsProducer};
 
 use crate::error::Error;
@@ -65,7 +65,7 @@ pub struct NatsConfig {
     /// one subject keep their order. Default 1: the whole stream in stream order, one batch at a time.
     pub partitions: u32,
     /// Messages handed out and not yet acknowledged, at most (`None`: the server's default, 1,000). `Some(1)` is
-    /// the strict-order setting (document 003's `prefetch = 1`): a message a crashed consumer held is delivered
+    /// the strict-order setting (one message in flight, as RabbitMQ's `prefetch = 1`): a message a crashed consumer held is delivered
     /// again before any later one, at the price of one message per round trip. With more in flight, messages
     /// come in stream order until one is redelivered: after a crash it comes after later ones, and only the
     /// markers (not the order) still hold.

@@ -48,9 +48,9 @@ impl NatsProducer {
             .js
             .publish_with_headers(subject.to_owned(), map, payload.to_vec().into())
             .await
-            .map_err(|e| SourceError::transient("nats publish", e))?
+            .map_err(|e| publish_error(subject, e))?
             .await
-            .map_err(|e| SourceError::transient("nats publish", e))?;
+            .map_err(|e| publish_error(subject, e))?;
         Ok(Published { sequence: ack.sequence, event_id, duplicate: ack.duplicate })
     }
 
@@ -64,15 +64,31 @@ impl NatsProducer {
                 .js
                 .publish_with_headers(subject.clone(), map, payload.clone().into())
                 .await
-                .map_err(|e| SourceError::transient("nats publish", e))?;
-            pending.push((ack, event_id));
+                .map_err(|e| publish_error(subject, e))?;
+            pending.push((ack, subject, event_id));
         }
         let mut published = Vec::with_capacity(pending.len());
-        for (ack, event_id) in pending {
-            let ack = ack.await.map_err(|e| SourceError::transient("nats publish", e))?;
+        for (ack, subject, event_id) in pending {
+            let ack = ack.await.map_err(|e| publish_error(subject, e))?;
             published.push(Published { sequence: ack.sequence, event_id, duplicate: ack.duplicate });
         }
         Ok(published)
+    }
+}
+
+/// A failed publish to `subject`, said with its fix where there is one: no stream holds the subject (the
+/// server has nowhere to store it) is named so, and still retried, since the stream may be created meanwhile.
+fn publish_error(subject: &str, error: async_nats::jetstream::context::PublishError) -> SourceError {
+    use async_nats::jetstream::context::PublishErrorKind;
+    match error.kind() {
+        PublishErrorKind::StreamNotFound => SourceError::transient(
+            "nats publish",
+            format!(
+                "no JetStream stream holds the subject {subject}: create one that does (nats stream add NAME \
+                 --subjects '{subject}'), or add the subject to an existing stream; retrying meanwhile"
+            ),
+        ),
+        _ => SourceError::transient("nats publish", error),
     }
 }
 

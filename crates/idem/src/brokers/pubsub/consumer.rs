@@ -37,62 +37,78 @@ pub struct PubSubSource {
     in_hand: Arc<AtomicUsize>,
 }
 
+/// What a consumer of `config` needs from Pub/Sub, checked without pulling anything: the credentials and the
+/// endpoint answer, the subscription exists, is a pull subscription (with message ordering when required) and
+/// keeps messages longer than `engine`'s markers. [`PubSubSource::connect`] starts with the same; `idem check` runs
+/// it alone.
+pub async fn check(config: &PubSubConfig, engine: &crate::Config) -> Result<(), Error> {
+    open_subscription(config, engine).await.map(drop)
+}
+
+/// The subscription's path and description, with the checks of [`check`].
+async fn open_subscription(
+    config: &PubSubConfig,
+    engine: &crate::Config,
+) -> Result<(String, google_cloud_pubsub::model::Subscription), Error> {
+    config.validate()?;
+    engine.validate()?;
+    if engine.key == crate::KeyExtractor::BrokerId {
+        return Err(Error::Config(format!(
+            "pubsub: the broker-id key is refused: a Pub/Sub message has no position of its own (idem's \
+             partition depends on the partitions setting, and a republished event gets a new message id). Fix: \
+             key on the producer's event id (header:idem-event-id), a business key in the payload (json:/…), or \
+             the message id (header:{MESSAGE_ID_HEADER})"
+        )));
+    }
+    let path = config.subscription_path()?;
+    let emulator = config.emulator();
+    let emulator = emulator.as_deref();
+    let admin = super::subscription_admin(emulator).await?;
+    let what = format!("subscription {path}");
+    let subscription = at_start(&what, emulator, admin.get_subscription().set_subscription(&path).send()).await?;
+    if config.require_ordering && !subscription.enable_message_ordering {
+        return Err(Error::Config(format!(
+            "pubsub subscription {path} does not have message ordering, and require_ordering is set: each key's \
+             messages could be delivered out of order. Fix: create the subscription with \
+             --enable-message-ordering (ordering cannot be switched on later), or unset require_ordering"
+        )));
+    }
+    if subscription.push_config.as_ref().is_some_and(|p| !p.push_endpoint.is_empty()) {
+        return Err(Error::Config(format!(
+            "pubsub subscription {path} is a push subscription: idem pulls. Fix: use a pull subscription"
+        )));
+    }
+    let kept_ms = [
+        subscription.message_retention_duration.as_ref().map(|d| d.seconds() * 1000 + i64::from(d.nanos()) / 1_000_000),
+        subscription
+            .topic_message_retention_duration
+            .as_ref()
+            .map(|d| d.seconds() * 1000 + i64::from(d.nanos()) / 1_000_000),
+    ]
+    .into_iter()
+    .flatten()
+    .max()
+    // A subscription that states no retention keeps unacknowledged messages for Pub/Sub's default, 7 days.
+    .unwrap_or(7 * 24 * 3600 * 1000);
+    metrics::gauge!("pubsub_subscription_retention_seconds", "subscription" => path.clone())
+        .set(kept_ms as f64 / 1000.0);
+    RetentionPolicy {
+        marker_retention: engine.pruning.retention,
+        accept_infinite_retention: false,
+        broker: PUBSUB_SUBSCRIPTION,
+    }
+    .check(&[(path.clone(), Some(kept_ms))])?;
+    Ok((path, subscription))
+}
+
 impl PubSubSource {
     /// Validates `config` (refusing the `broker-id` key), reads the subscription (refusing a missing one, a subscription without ordering when
     /// `require_ordering`, a push subscription), runs the retention guard with `engine`'s marker retention, and
     /// opens the streaming pull.
     pub async fn connect(config: &PubSubConfig, engine: &crate::Config) -> Result<Self, Error> {
-        config.validate()?;
-        engine.validate()?;
-        if engine.key == crate::KeyExtractor::BrokerId {
-            return Err(Error::Config(format!(
-                "pubsub: the broker-id key is refused: a Pub/Sub message has no position of its own (idem's \
-                 partition depends on the partitions setting, and a republished event gets a new message id). Fix: \
-                 key on the producer's event id (header:idem-event-id), a business key in the payload (json:/…), or \
-                 the message id (header:{MESSAGE_ID_HEADER})"
-            )));
-        }
-        let path = config.subscription_path()?;
+        let (path, subscription) = open_subscription(config, engine).await?;
         let emulator = config.emulator();
         let emulator = emulator.as_deref();
-        let admin = super::subscription_admin(emulator).await?;
-        let what = format!("subscription {path}");
-        let subscription = at_start(&what, emulator, admin.get_subscription().set_subscription(&path).send()).await?;
-        if config.require_ordering && !subscription.enable_message_ordering {
-            return Err(Error::Config(format!(
-                "pubsub subscription {path} does not have message ordering, and require_ordering is set: each key's \
-                 messages could be delivered out of order. Fix: create the subscription with \
-                 --enable-message-ordering (ordering cannot be switched on later), or unset require_ordering"
-            )));
-        }
-        if subscription.push_config.as_ref().is_some_and(|p| !p.push_endpoint.is_empty()) {
-            return Err(Error::Config(format!(
-                "pubsub subscription {path} is a push subscription: idem pulls. Fix: use a pull subscription"
-            )));
-        }
-        let kept_ms = [
-            subscription
-                .message_retention_duration
-                .as_ref()
-                .map(|d| d.seconds() * 1000 + i64::from(d.nanos()) / 1_000_000),
-            subscription
-                .topic_message_retention_duration
-                .as_ref()
-                .map(|d| d.seconds() * 1000 + i64::from(d.nanos()) / 1_000_000),
-        ]
-        .into_iter()
-        .flatten()
-        .max()
-        // A subscription that states no retention keeps unacknowledged messages for Pub/Sub's default, 7 days.
-        .unwrap_or(7 * 24 * 3600 * 1000);
-        metrics::gauge!("pubsub_subscription_retention_seconds", "subscription" => path.clone())
-            .set(kept_ms as f64 / 1000.0);
-        RetentionPolicy {
-            marker_retention: engine.pruning.retention,
-            accept_infinite_retention: false,
-            broker: PUBSUB_SUBSCRIPTION,
-        }
-        .check(&[(path.clone(), Some(kept_ms))])?;
         let max_delivery_attempts =
             subscription.dead_letter_policy.as_ref().map(|p| p.max_delivery_attempts).filter(|n| *n > 0);
 
@@ -298,7 +314,7 @@ impl Source for PubSubSource {
 impl Drop for PubSubSource {
     /// Shuts the streaming pull down while it is still open: the client sends the acknowledgements it holds and
     /// returns (nacks) every message still in hand, and only then is the stream closed, so nothing committed is
-    /// left unacknowledged. (The emulator still holds what a closed stream had: see the README.)
+    /// left unacknowledged. (The emulator still holds what a closed stream had: see docs/brokers.md.)
     fn drop(&mut self) {
         let Some(stream) = self.messages.get_mut().take() else { return };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };

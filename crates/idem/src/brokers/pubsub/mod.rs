@@ -33,7 +33,7 @@ mod producer;
 
 use std::time::Duration;
 
-pub use consumer::PubSubSource;
+pub use consumer::{PubSubSource, check};
 pub use producer::PubSubProducer;
 
 use google_cloud_pubsub::client::{SubscriptionAdmin, TopicAdmin};

@@ -5,7 +5,7 @@
 //!   after the transaction holding its marker committed. Consuming with `no_ack` (auto-ack) is refused at
 //!   start-up, naming the setting.
 //! * **Prefetch.** `basic.qos` per consumer, the engine's batch size unless [`RabbitConfig::prefetch`] says
-//!   otherwise; `prefetch = 1` is document 003's strict-order setting (one message in flight per queue).
+//!   otherwise; `prefetch = 1` is the strict-order setting (one message in flight per queue).
 //! * **Partitions.** Each queue is one partition of idem's (its name is the topic, partition 0): queues are
 //!   handled in parallel, each in order. For per-key order over several queues, route each key to one queue (a
 //!   direct exchange with one routing key per key range, or the `x-consistent-hash` exchange), and run one
@@ -147,6 +147,51 @@ pub async fn connect(url: &str) -> Result<lapin::Connection, Error> {
             reason: "timed out after 10 s".into(),
         }),
     }
+}
+
+/// What a consumer of `config` needs from the server, checked without consuming anything: the server answers to
+/// these credentials, and each queue exists and may be used by this user (a passive declare). `idem check` runs
+/// it; each fault is named with its fix.
+pub async fn check(config: &RabbitConfig) -> Result<(), Error> {
+    use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+    config.validate()?;
+    let connection = connect(&config.url).await?;
+    let server = crate::error::redact_url(&config.url);
+    let mut problem = None;
+    for queue in &config.queues {
+        let channel = answer("rabbitmq channel", connection.create_channel())
+            .await
+            .map_err(|e| Error::Config(format!("rabbitmq {server}: cannot open a channel: {e}")))?;
+        let passive = lapin::options::QueueDeclareOptions { passive: true, ..Default::default() };
+        let declared = tokio::time::timeout(
+            ANSWER_TIMEOUT,
+            channel.queue_declare(queue.as_str().into(), passive, lapin::types::FieldTable::default()),
+        )
+        .await;
+        let fault = match declared {
+            Ok(Ok(_)) => continue,
+            Err(_) => format!("the server did not answer within {} s", ANSWER_TIMEOUT.as_secs()),
+            Ok(Err(e)) => match e.kind() {
+                lapin::ErrorKind::ProtocolError(amqp) => match amqp.kind() {
+                    AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND) => format!(
+                        "it does not exist on {server}: declare it (rabbitmqadmin declare queue name={queue} \
+                         durable=true), or fix its name"
+                    ),
+                    AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED) => format!(
+                        "this user may not use it ({}): grant the user configure and read permissions on it \
+                         (rabbitmqctl set_permissions)",
+                        amqp.get_message()
+                    ),
+                    _ => amqp.to_string(),
+                },
+                _ => e.to_string(),
+            },
+        };
+        problem = Some(format!("rabbitmq queue `{queue}`: {fault}"));
+        break;
+    }
+    let _ = connection.close(200, "checked".into()).await;
+    problem.map_or(Ok(()), |problem| Err(Error::Config(problem)))
 }
 
 /// Declares durable queue `name` (a quorum queue when `quorum`), for demos and tests; production queues are an

@@ -55,40 +55,49 @@ pub struct SqsSource {
     extender: tokio::task::JoinHandle<()>,
 }
 
+/// What a consumer of `config` needs from SQS, checked without receiving anything: the credentials and the
+/// endpoint answer, the queue exists, its visibility timeout covers a batch and it keeps messages longer than
+/// `engine`'s markers. [`SqsSource::connect`] starts with the same; `idem check` runs it alone.
+pub async fn check(config: &SqsConfig, engine: &crate::Config) -> Result<(), Error> {
+    open_queue(config, engine).await.map(drop)
+}
+
+/// The client and the queue, with the checks of [`check`].
+async fn open_queue(config: &SqsConfig, engine: &crate::Config) -> Result<(aws_sdk_sqs::Client, QueueInfo), Error> {
+    config.validate()?;
+    engine.validate()?;
+    if engine.key == KeyExtractor::BrokerId {
+        return Err(Error::Config(format!(
+            "sqs: the broker-id key is refused: an SQS message has no offset that survives its redelivery, so \
+             each delivery would look new. Fix: key on the producer's event id (header:idem-event-id), a \
+             business key in the payload (json:/…), or the id SQS keeps across redeliveries \
+             (header:{MESSAGE_ID_HEADER})"
+        )));
+    }
+    let client = super::client(config.endpoint.as_deref(), config.region.as_deref()).await?;
+    let queue = super::queue_info(&client, &config.queue).await?;
+    visibility_guard(&queue.name, queue.visibility_timeout, config.max_batch_time)?;
+    metrics::gauge!("sqs_queue_retention_seconds", "queue" => queue.name.clone())
+        .set(queue.retention.map_or(0.0, |r| r.as_secs_f64()));
+    RetentionPolicy { marker_retention: engine.pruning.retention, accept_infinite_retention: false, broker: SQS_QUEUE }
+        .check(&[(queue.name.clone(), queue.retention.map(|r| r.as_millis() as i64))])?;
+    if let (Some(ours), Some(queues)) = (config.max_receive_count, queue.redrive_max_receive_count)
+        && queues <= ours
+    {
+        tracing::warn!(queue = %queue.name, max_receive_count = ours, redrive_max_receive_count = queues,
+            "sqs: the queue's redrive policy moves a message to its dead-letter queue after {queues} receives, \
+             before idem's max_receive_count ({ours}) is reached: such messages leave without a dead-letter row \
+             in the database. Raise the queue's maxReceiveCount above {ours} to have idem record them");
+    }
+    Ok((client, queue))
+}
+
 impl SqsSource {
     /// Validates `config` (and refuses the `broker-id` key, which SQS cannot keep stable), builds the client
     /// from the standard AWS configuration, finds the queue, runs the visibility-timeout and retention guards
     /// against its attributes, and starts extending the visibility of what is in hand.
     pub async fn connect(config: &SqsConfig, engine: &crate::Config) -> Result<Self, Error> {
-        config.validate()?;
-        engine.validate()?;
-        if engine.key == KeyExtractor::BrokerId {
-            return Err(Error::Config(format!(
-                "sqs: the broker-id key is refused: an SQS message has no offset that survives its redelivery, so \
-                 each delivery would look new. Fix: key on the producer's event id (header:idem-event-id), a \
-                 business key in the payload (json:/…), or the id SQS keeps across redeliveries \
-                 (header:{MESSAGE_ID_HEADER})"
-            )));
-        }
-        let client = super::client(config.endpoint.as_deref(), config.region.as_deref()).await?;
-        let queue = super::queue_info(&client, &config.queue).await?;
-        visibility_guard(&queue.name, queue.visibility_timeout, config.max_batch_time)?;
-        metrics::gauge!("sqs_queue_retention_seconds", "queue" => queue.name.clone())
-            .set(queue.retention.map_or(0.0, |r| r.as_secs_f64()));
-        RetentionPolicy {
-            marker_retention: engine.pruning.retention,
-            accept_infinite_retention: false,
-            broker: SQS_QUEUE,
-        }
-        .check(&[(queue.name.clone(), queue.retention.map(|r| r.as_millis() as i64))])?;
-        if let (Some(ours), Some(queues)) = (config.max_receive_count, queue.redrive_max_receive_count)
-            && queues <= ours
-        {
-            tracing::warn!(queue = %queue.name, max_receive_count = ours, redrive_max_receive_count = queues,
-                "sqs: the queue's redrive policy moves a message to its dead-letter queue after {queues} receives, \
-                 before idem's max_receive_count ({ours}) is reached: such messages leave without a dead-letter row \
-                 in the database. Raise the queue's maxReceiveCount above {ours} to have idem record them");
-        }
+        let (client, queue) = open_queue(config, engine).await?;
         tracing::info!(queue = %queue.name, fifo = queue.fifo, visibility_timeout = ?queue.visibility_timeout,
             retention = ?queue.retention, partitions = config.partitions, "sqs: consuming");
         let in_hand: InHand = Arc::default();

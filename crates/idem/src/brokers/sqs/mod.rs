@@ -1,6 +1,6 @@
 //! Amazon SQS (feature `sqs`, the official `aws-sdk-sqs`): an [`SqsSource`] on the source seam for standard and
 //! FIFO queues, an [`SqsProducer`] that sets `MessageDeduplicationId` and `MessageGroupId`, and the two start-up
-//! guards of document 003.
+//! guards idem keeps for every broker.
 //!
 //! * **Where the queue is.** Endpoint, region and credentials come from the standard AWS configuration (the
 //!   `AWS_*` variables, `~/.aws/config` and its profiles, web identity, the instance's role), as every AWS tool
@@ -47,7 +47,7 @@ use aws_sdk_sqs::types::QueueAttributeName;
 
 /// The SDK, so a program can name the client [`client`] returns.
 pub use aws_sdk_sqs;
-pub use consumer::SqsSource;
+pub use consumer::{SqsSource, check};
 pub use producer::{Outgoing, Published, SqsProducer};
 
 use crate::error::Error;

@@ -256,7 +256,7 @@ impl Sequence {
     }
 }
 
-/// Where the handler runs relative to the claim transaction (document 002, "Transaction boundaries").
+/// Where the handler runs relative to the claim transaction.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum InboxTransactions {
     /// The default: the handler runs inside the claim transaction, so its effects, the claim and the inbox
@@ -264,7 +264,7 @@ pub enum InboxTransactions {
     /// A released (buffered) message runs in a savepoint of the releasing transaction.
     #[default]
     Shared,
-    /// Document 002's boundaries: the handler runs in a transaction of its own on a second connection, which
+    /// The handler runs in a transaction of its own on a second connection, which
     /// idem commits before it records the inbox state and commits the claim. A crash between the two commits
     /// runs the handler again on redelivery, so its effects must be idempotent on their own. Needs two
     /// connections per partition.
@@ -401,9 +401,18 @@ impl InboxConfig {
                 names.join("`, `")
             )));
         }
-        if let Some(t) = owner.keys().find(|t| t.sub_type.is_none() && with_sub.contains(t.name.as_str())) {
+        let mut mixed: Vec<String> = owner
+            .keys()
+            .filter(|t| t.sub_type.is_none() && with_sub.contains(t.name.as_str()))
+            .map(|t| t.to_string())
+            .collect();
+        if !mixed.is_empty() {
+            mixed.sort();
+            let (types, are) = if mixed.len() == 1 { ("type", "is") } else { ("types", "are") };
             return Err(Error::Config(format!(
-                "message type `{t}` is declared with sub-types and also without one: declare each sub-type, or none"
+                "message {types} `{}` {are} declared with sub-types and also without one: declare each sub-type, or \
+                 none",
+                mixed.join("`, `")
             )));
         }
         Ok(())

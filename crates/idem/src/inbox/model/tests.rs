@@ -110,6 +110,30 @@ fn validation_names_the_problem() {
         ORDER.replace("name = \"OrderShipped\"\n        context_id", "name = \"OrderValidated\"\n        context_id");
     assert!(error_of(&mixed).contains("with sub-types and also without"), "{}", error_of(&mixed));
 
+    // Every such type is named, in order (not one chosen by hash order).
+    let both_mixed = r#"sub_type = "header:subtype"
+            [[sequence]]
+            name = "s"
+            retention = "1d"
+            [[sequence.type]]
+            name = "B"
+            context_id = "json:/id"
+            [[sequence.type]]
+            name = "B"
+            sub_type = "y"
+            context_id = "json:/id"
+            [[sequence.type]]
+            name = "A"
+            context_id = "json:/id"
+            [[sequence.type]]
+            name = "A"
+            sub_type = "x"
+            context_id = "json:/id""#;
+    for _ in 0..10 {
+        let error = error_of(both_mixed);
+        assert!(error.contains("message types `A`, `B` are declared with sub-types and also without"), "{error}");
+    }
+
     let bad_condition = ORDER.replace(r#"release = { predecessor = "OrderCreated" }"#, "release = {}");
     assert!(error_of(&bad_condition).contains("exactly one of"), "{}", error_of(&bad_condition));
 

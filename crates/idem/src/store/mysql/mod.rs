@@ -334,10 +334,12 @@ impl Operations for MySql {
             "WITH m AS (SELECT consumer_group, COUNT(*) AS markers,
                                TIMESTAMPDIFF(MICROSECOND, MIN(processed_at), UTC_TIMESTAMP(6)) / 1e6 AS oldest
                           FROM {t}processed_events WHERE ? IS NULL OR consumer_group = ? GROUP BY consumer_group),
-                  d AS (SELECT consumer_group, COUNT(*) AS dead FROM {t}dead_letters
+                  d AS (SELECT consumer_group, COUNT(*) AS dead,
+                                CAST(SUM(error LIKE 'id_reused:%') AS SIGNED) AS reused FROM {t}dead_letters
                          WHERE ? IS NULL OR consumer_group = ? GROUP BY consumer_group),
                   g AS (SELECT consumer_group FROM m UNION SELECT consumer_group FROM d)
-             SELECT CAST(g.consumer_group AS CHAR), COALESCE(m.markers, 0), m.oldest, COALESCE(d.dead, 0)
+             SELECT CAST(g.consumer_group AS CHAR), COALESCE(m.markers, 0), m.oldest, COALESCE(d.dead, 0),
+                    COALESCE(d.reused, 0)
                FROM g LEFT JOIN m ON m.consumer_group = g.consumer_group
                       LEFT JOIN d ON d.consumer_group = g.consumer_group ORDER BY 1",
         );

@@ -260,8 +260,10 @@ impl Operations for Postgres {
             r#"WITH m AS (SELECT consumer_group, count(*) AS markers,
                                  EXTRACT(EPOCH FROM now() - min(processed_at))::float8 AS oldest
                             FROM {t}processed_events WHERE $1::text IS NULL OR consumer_group = $1 GROUP BY consumer_group),
-                    d AS (SELECT consumer_group, count(*) AS dead FROM {t}dead_letters WHERE $1::text IS NULL OR consumer_group = $1 GROUP BY consumer_group)
-               SELECT coalesce(m.consumer_group, d.consumer_group), coalesce(m.markers, 0), m.oldest, coalesce(d.dead, 0)
+                    d AS (SELECT consumer_group, count(*) AS dead, count(*) FILTER (WHERE error LIKE 'id_reused:%') AS reused
+                            FROM {t}dead_letters WHERE $1::text IS NULL OR consumer_group = $1 GROUP BY consumer_group)
+               SELECT coalesce(m.consumer_group, d.consumer_group), coalesce(m.markers, 0), m.oldest, coalesce(d.dead, 0),
+                      coalesce(d.reused, 0)
                  FROM m FULL JOIN d ON m.consumer_group = d.consumer_group ORDER BY 1"#,
         );
         Ok(sqlx::query_as(&sql).bind(group).fetch_all(pool).await?)

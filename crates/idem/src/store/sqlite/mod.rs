@@ -143,9 +143,10 @@ impl Operations for Sqlite {
             r#"WITH m AS (SELECT consumer_group, count(*) AS markers,
                                  (CAST(unixepoch('subsec') * 1000 AS INTEGER) - min(processed_at)) / 1000.0 AS oldest
                             FROM {t}processed_events WHERE $1 IS NULL OR consumer_group = $1 GROUP BY consumer_group),
-                    d AS (SELECT consumer_group, count(*) AS dead FROM {t}dead_letters WHERE $1 IS NULL OR consumer_group = $1 GROUP BY consumer_group),
+                    d AS (SELECT consumer_group, count(*) AS dead, count(*) FILTER (WHERE error LIKE 'id_reused:%') AS reused
+                            FROM {t}dead_letters WHERE $1 IS NULL OR consumer_group = $1 GROUP BY consumer_group),
                     g AS (SELECT consumer_group FROM m UNION SELECT consumer_group FROM d)
-               SELECT g.consumer_group, coalesce(m.markers, 0), m.oldest, coalesce(d.dead, 0)
+               SELECT g.consumer_group, coalesce(m.markers, 0), m.oldest, coalesce(d.dead, 0), coalesce(d.reused, 0)
                  FROM g LEFT JOIN m ON m.consumer_group = g.consumer_group
                         LEFT JOIN d ON d.consumer_group = g.consumer_group ORDER BY 1"#,
         );
