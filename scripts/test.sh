@@ -171,3 +171,10 @@ if [ -x "$kafka_bin" ]; then
 else
   echo "chaos: no broker binary at $kafka_bin; the Kafka trials are skipped" >&2
 fi
+# The install path a user without a checkout takes, from this checkout: `cargo install` into a temporary root,
+# then the installed command runs. Last: it rebuilds target/debug/idem with the command's own features.
+install_root="$(mktemp -d)"
+cargo install --quiet --locked --debug --path crates/idem-cli --root "$install_root" --target-dir target
+"$install_root/bin/idem" --version
+"$install_root/bin/idem" check --offline --config examples/config/payments.toml
+rm -rf "$install_root"

@@ -105,8 +105,8 @@ impl Db {
     /// Runs a query returning one integer; again on a new connection while the failure is one it can fix
     /// ([`reconnecting`]).
     pub async fn scalar(&self, sql: &str) -> anyhow::Result<i64> {
-        reconnecting(|| async { Ok(crate::with_pool!(self, pool => sqlx::query_scalar(sql).fetch_one(pool).await?)) })
-            .await
+        Ok(reconnecting(|| async { crate::with_pool!(self, pool => sqlx::query_scalar(sql).fetch_one(pool).await) })
+            .await?)
     }
 }
 
@@ -118,17 +118,17 @@ const RECONNECTING_BACKOFF: idem::Backoff =
 /// Runs `work` (a read, or work that can run again from its start) again while it fails in a way a new connection
 /// can fix: a session terminated by an administrator, a refused connection, a restarting server, a deadlock. Each
 /// retry is logged at WARN; after the last try, or on any other error, its error is returned.
-pub async fn reconnecting<T, F: std::future::Future<Output = anyhow::Result<T>>>(
+pub async fn reconnecting<T, E: Transient + std::fmt::Display, F: std::future::Future<Output = Result<T, E>>>(
     mut work: impl FnMut() -> F,
-) -> anyhow::Result<T> {
+) -> Result<T, E> {
     let mut failures = 0;
     loop {
         match work().await {
             Ok(value) => return Ok(value),
-            Err(error) if failures + 1 < RECONNECTING_ATTEMPTS && transient(&error) => {
+            Err(error) if failures + 1 < RECONNECTING_ATTEMPTS && error.transient() => {
                 failures += 1;
                 let delay = RECONNECTING_BACKOFF.after(failures);
-                tracing::warn!(error = %format!("{error:#}"), attempt = failures, ?delay,
+                tracing::warn!(error = %error, attempt = failures, ?delay,
                     "the database failed for now; trying again on a new connection");
                 tokio::time::sleep(delay).await;
             }
@@ -137,15 +137,31 @@ pub async fn reconnecting<T, F: std::future::Future<Output = anyhow::Result<T>>>
     }
 }
 
-/// Whether the error is a database failure that a new attempt can get past.
-fn transient(error: &anyhow::Error) -> bool {
-    error.chain().any(|cause| {
-        let database = match cause.downcast_ref::<idem::Error>() {
-            Some(idem::Error::Database(e)) => Some(e),
-            _ => cause.downcast_ref::<sqlx::Error>(),
-        };
-        database.is_some_and(|e| idem::error::classify(e) == idem::error::Retry::Helps)
-    })
+/// An error that says whether a new attempt, on a new connection, can get past it.
+pub trait Transient {
+    /// True for a database failure of the moment (see [`idem::error::classify`]).
+    fn transient(&self) -> bool;
+}
+
+impl Transient for sqlx::Error {
+    fn transient(&self) -> bool {
+        idem::error::classify(self) == idem::error::Retry::Helps
+    }
+}
+
+impl Transient for idem::Error {
+    fn transient(&self) -> bool {
+        matches!(self, idem::Error::Database(e) if e.transient())
+    }
+}
+
+impl Transient for anyhow::Error {
+    fn transient(&self) -> bool {
+        self.chain().any(|cause| {
+            cause.downcast_ref::<idem::Error>().is_some_and(Transient::transient)
+                || cause.downcast_ref::<sqlx::Error>().is_some_and(Transient::transient)
+        })
+    }
 }
 
 /// The table names of the arguments.

@@ -118,6 +118,37 @@ async fn a_value_that_does_not_convert_is_dead_lettered_and_injection_is_inert()
     assert!(reasons.iter().any(|r| r.contains("parameter `note`") && r.contains("has no such value")), "{dead}");
 }
 
+/// An effect whose sum overflows a 64-bit integer: PostgreSQL refuses it (`bigint out of range`); SQLite's own
+/// arithmetic would turn it into a REAL without a word, which a STRICT table refuses. Both dead-letter the event and
+/// keep the balance as it was.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_integer_overflow_is_dead_lettered_on_postgres_and_on_a_strict_sqlite_table() {
+    let dir = Dir::new("svc_overflow");
+    for db in [Db::postgres("svc_overflow"), Db::sqlite(&dir)] {
+        let p = &db.prefix;
+        // A STRICT table takes SQLite's own type names only.
+        let (strict, int) = if db.url.starts_with("sqlite:") { (" STRICT", "INTEGER") } else { ("", "BIGINT") };
+        db.exec(&format!(
+            "CREATE TABLE {p}accounts (id {int} PRIMARY KEY, balance {int} NOT NULL DEFAULT 0){strict};
+             INSERT INTO {p}accounts (id, balance) VALUES (1, 9223372036854775000);
+             CREATE TABLE {p}ledger (event_id TEXT PRIMARY KEY, account {int} NOT NULL, amount {int} NOT NULL,
+                                     note TEXT NOT NULL){strict}"
+        ))
+        .await;
+        let log = dir.path(&format!("log-{}", if strict.is_empty() { "pg" } else { "sqlite" }));
+        let lines = vec![
+            serde_json::json!({"idempotencyKey": "big", "account": 1, "amount": 5000, "note": "overflows"}).to_string(),
+        ];
+        produce(&log, "payments", 1, &lines);
+        let config = dir.write("idem.toml", &(db.database_toml() + &ledger_consumer(&db, &log, 10)));
+        let output = run(&config, None);
+        assert!(output.status.success(), "{}", text(&output));
+        assert_eq!(db.scalar(&format!("SELECT balance FROM {p}accounts WHERE id = 1")).await, 9223372036854775000);
+        assert_eq!(db.scalar(&format!("SELECT COUNT(*) FROM {p}ledger")).await, 0, "rolled back with the event");
+        assert_eq!(db.scalar(&format!("SELECT COUNT(*) FROM {p}dead_letters WHERE event_id = 'big'")).await, 1);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_bulk_form_applies_a_batch_in_one_statement_per_effect() {
     let dir = Dir::new("svc_bulk");

@@ -1,7 +1,8 @@
 //! How far behind each consumer is, where its source tells: Kafka's statistics (the messages between each owned
-//! partition's end and the committed offset, every `statistics.interval.ms`) and JetStream's pending count on each
-//! delivery. Kept in this process for the console's consumers view, and exported as the gauge
-//! `consumer_lag_messages`. A source that does not tell (RabbitMQ, SQS, Pub/Sub, the embedded log) has none.
+//! partition's end and the committed offset, every `statistics.interval.ms`), JetStream's pending count on each
+//! delivery, each RabbitMQ queue's ready messages and each SQS queue's approximate count of visible messages
+//! (every 15 s). Kept in this process for the console's consumers view, and exported as the gauge
+//! `consumer_lag_messages`. A source that does not tell (Pub/Sub, the embedded log) has none.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{LazyLock, Mutex};

@@ -56,6 +56,33 @@ async fn a_message_comes_with_its_handle_and_is_gone_once_acknowledged() {
     delete_queue(&url(), &queue).await.unwrap();
 }
 
+/// A queue's backlog (its ready messages, read with a passive declaration) is the consumer's lag: five waiting,
+/// at most one of them in this consumer's hand (prefetch 1), so at least four behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queues_backlog_is_the_consumers_lag() {
+    let queue = unique("backlog");
+    create_queue(&url(), &queue, false).await.unwrap();
+    let producer = RabbitProducer::connect(&url()).await.unwrap();
+    for n in 0..5 {
+        producer.send(&queue, format!(r#"{{"n":{n}}}"#).as_bytes(), &[]).await.unwrap();
+    }
+    let engine = idem::Config { group: unique("lagging"), ..config(10) };
+    let rabbit = RabbitConfig { prefetch: Some(1), ..RabbitConfig::new(url(), &[queue.as_str()]) };
+    let source = RabbitSource::connect(&rabbit, &engine).await.unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let lag = loop {
+        if let Some(lag) = idem::lag::of(&engine.group).into_iter().find(|l| l.topic == queue) {
+            break lag;
+        }
+        assert!(std::time::Instant::now() < deadline, "no lag recorded for {queue}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert!((4..=5).contains(&lag.messages), "{lag:?}");
+    assert_eq!(lag.partition, None);
+    drop(source);
+    delete_queue(&url(), &queue).await.unwrap();
+}
+
 /// Delivery tags start from 1 on each channel: two keyless poison messages, each the first delivery of its own
 /// connection, are two dead letters, not one overwriting the other; and `broker-id` is refused by name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

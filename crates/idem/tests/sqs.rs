@@ -76,6 +76,29 @@ async fn a_visibility_timeout_of_5_s_against_batches_of_30_s_is_refused() {
     delete_queue(&client().await, &name).await.unwrap();
 }
 
+/// The queue's visible messages are the consumer's lag (read with `GetQueueAttributes`, nothing received).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queues_backlog_is_the_consumers_lag() {
+    let name = queue("backlog", false, Duration::from_secs(30), DAY * 4).await;
+    let producer = SqsProducer::with_client(client().await);
+    for n in 0..5 {
+        producer.send(&name, None, format!(r#"{{"id":"b{n}","amount":1}}"#).as_bytes(), &[]).await.unwrap();
+    }
+    let engine = idem::Config { group: unique("lagging"), ..markers_for(5) };
+    let source = SqsSource::connect(&sqs(&name), &engine).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let lag = loop {
+        if let Some(lag) = idem::lag::of(&engine.group).into_iter().find(|l| l.topic == name) {
+            break lag;
+        }
+        assert!(std::time::Instant::now() < deadline, "no lag recorded for {name}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!((lag.messages, lag.partition), (5, None), "{lag:?}");
+    drop(source);
+    delete_queue(&client().await, &name).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn markers_kept_3_days_against_a_4_day_queue_are_refused() {
     let name = queue("retention", true, Duration::from_secs(30), DAY * 4).await;

@@ -53,12 +53,12 @@ pub(super) async fn verify(
 ) -> anyhow::Result<HeldBack> {
     let ledger_sql = format!("SELECT event_id, account, amount FROM {}", tables.table("ledger"));
     let ledger: Vec<(String, i64, i64)> = crate::db::reconnecting(|| async {
-        Ok(crate::with_pool!(db, pool => sqlx::query_as(&ledger_sql).fetch_all(pool).await?))
+        crate::with_pool!(db, pool => sqlx::query_as(&ledger_sql).fetch_all(pool).await)
     })
     .await?;
     let dead_sql = format!("SELECT event_id FROM {}", tables.table("dead_letters"));
     let dead: Vec<(Option<String>,)> = crate::db::reconnecting(|| async {
-        Ok(crate::with_pool!(db, pool => sqlx::query_as(&dead_sql).fetch_all(pool).await?))
+        crate::with_pool!(db, pool => sqlx::query_as(&dead_sql).fetch_all(pool).await)
     })
     .await?;
     Ok(compare(records, &ledger, &dead, summary))

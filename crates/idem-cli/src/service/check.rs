@@ -58,7 +58,8 @@ pub async fn against_database<DB: ServiceDb>(pool: &sqlx::Pool<DB>, plan: &Plan)
     }
     for consumer in &plan.consumers {
         for sql in consumer.each.iter().chain(&consumer.bulk) {
-            if let Err(e) = DB::prepare(pool, &sql.rendered.text).await {
+            let prepared = crate::db::reconnecting(|| DB::prepare(pool, &sql.rendered.text)).await;
+            if let Err(e) = prepared {
                 let message = match e.as_database_error() {
                     Some(db) => db.message().to_owned(),
                     None => e.to_string(),
@@ -74,7 +75,7 @@ pub async fn against_database<DB: ServiceDb>(pool: &sqlx::Pool<DB>, plan: &Plan)
             }
         }
         if (consumer.version_guard.is_some() || consumer.state_machine.is_some())
-            && let Err(e) = Configured::new(pool, consumer).await
+            && let Err(e) = crate::db::reconnecting(|| Configured::new(pool, consumer)).await
         {
             problems.push(Problem {
                 line: Some(consumer.guard_line),
@@ -91,7 +92,7 @@ pub async fn against_database<DB: ServiceDb>(pool: &sqlx::Pool<DB>, plan: &Plan)
 async fn migrations_missing<DB: ServiceDb>(pool: &sqlx::Pool<DB>, plan: &Plan) -> Option<Problem> {
     use idem::store::MigrationState::{Applied, Unknown};
     let problem = |message: String| Problem { line: None, key: "database.migrate".into(), message };
-    let status = match idem::store::migration_status(pool, &plan.database.tables).await {
+    let status = match crate::db::reconnecting(|| idem::store::migration_status(pool, &plan.database.tables)).await {
         Ok(status) => status,
         Err(e) => return Some(problem(format!("cannot read which of idem's migrations are applied: {e}"))),
     };

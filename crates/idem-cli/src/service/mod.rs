@@ -59,7 +59,7 @@ pub struct CheckArgs {
     /// The configuration file.
     #[arg(long, short = 'c', env = "IDEM_CONFIG", default_value = "idem.toml")]
     pub config: PathBuf,
-    /// Check the file alone, without connecting to the database or the brokers.
+    /// Check the file alone, without connecting to the database or the brokers (or opening an embedded log).
     #[arg(long)]
     pub offline: bool,
 }
@@ -105,11 +105,11 @@ fn refused(path: &Path, origins: &overrides::Origins, problems: &[file::Problem]
 /// consumer needs from its broker.
 pub async fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
     let plan = load(&args.config)?;
-    let problems = check::embedded_sources(&plan);
-    if !problems.is_empty() {
-        return Err(refused(&args.config, &plan.origins, &problems));
-    }
     if !args.offline {
+        let problems = check::embedded_sources(&plan);
+        if !problems.is_empty() {
+            return Err(refused(&args.config, &plan.origins, &problems));
+        }
         let db = Db::open_as(&plan.database.url, 2, &url_setting(&plan)).await?;
         let mut problems = with_pool!(db, pool => check::against_database(&pool, &plan).await);
         problems.extend(check::against_brokers(&plan).await);
@@ -132,7 +132,7 @@ pub async fn check(args: CheckArgs) -> anyhow::Result<ExitCode> {
         names.len(),
         if names.len() == 1 { "" } else { "s" },
         names.join(", "),
-        if args.offline { "; the database and the brokers were not consulted (--offline)" } else { "" }
+        if args.offline { "; the database and the sources were not consulted (--offline)" } else { "" }
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -168,7 +168,9 @@ async fn serve<DB: ServiceDb>(
     stop: watch::Sender<bool>,
 ) -> anyhow::Result<()> {
     if plan.database.migrate {
-        idem::migrate(&pool, &plan.database.tables).await.context("migrating idem's tables")?;
+        crate::db::reconnecting(|| idem::migrate(&pool, &plan.database.tables))
+            .await
+            .context("migrating idem's tables")?;
     }
     let problems = check::against_database(&pool, &plan).await;
     if !problems.is_empty() {
@@ -177,7 +179,8 @@ async fn serve<DB: ServiceDb>(
     let mut engines = Vec::new();
     let mut running: Vec<(String, Running)> = Vec::new();
     for consumer in &plan.consumers {
-        let handler = Configured::new(&pool, consumer).await.with_context(|| whose(consumer))?;
+        let handler =
+            crate::db::reconnecting(|| Configured::new(&pool, consumer)).await.with_context(|| whose(consumer))?;
         let mut engine = Engine::new(pool.clone(), consumer.config.clone()).with_context(|| whose(consumer))?;
         if args.report_commits {
             engine = engine.on_commit(crate::demo::report_commit);

@@ -71,6 +71,35 @@ pub struct RabbitSource {
     config: RabbitConfig,
     prefetch: u16,
     session: tokio::sync::Mutex<Option<Session>>,
+    /// Reads each queue's backlog every [`BACKLOG_EVERY`] into [`crate::lag`].
+    backlog: tokio::task::JoinHandle<()>,
+}
+
+/// How often the queues' backlog (their ready messages) is read.
+const BACKLOG_EVERY: Duration = Duration::from_secs(15);
+
+/// Records the ready messages of each queue as consumer group `group`'s lag, on a connection of its own (a
+/// passive declaration, which takes nothing), every [`BACKLOG_EVERY`], until aborted.
+async fn watch_backlog(url: String, queues: Vec<String>, group: String) {
+    let mut connection: Option<lapin::Connection> = None;
+    loop {
+        if connection.as_ref().is_none_or(|c| !c.status().connected()) {
+            connection = connect(&url).await.ok();
+        }
+        if let Some(open) = &connection
+            && let Ok(channel) = answer("rabbitmq channel", open.create_channel()).await
+        {
+            for queue in &queues {
+                let options = QueueDeclareOptions { passive: true, ..Default::default() };
+                let declaring = channel.queue_declare(queue.as_str().into(), options, FieldTable::default());
+                if let Ok(declared) = answer("rabbitmq queue.declare", declaring).await {
+                    crate::lag::record(&group, queue, None, i64::from(declared.message_count()));
+                }
+            }
+            let _ = answer("rabbitmq channel close", channel.close(200, "".into())).await;
+        }
+        tokio::time::sleep(BACKLOG_EVERY).await;
+    }
 }
 
 impl RabbitSource {
@@ -87,25 +116,10 @@ impl RabbitSource {
                  (json:/…), or the message's `message_id` property (header:{MESSAGE_ID_HEADER})"
             )));
         }
-        let connection = connect(&config.url).await?;
-        for queue in &config.queues {
-            // A passive declaration of a missing queue closes its channel: one channel per check.
-            let channel = answer("rabbitmq channel", connection.create_channel())
-                .await
-                .map_err(|e| Error::Config(e.to_string()))?;
-            let options = QueueDeclareOptions { passive: true, ..Default::default() };
-            let declaring = channel.queue_declare(queue.as_str().into(), options, FieldTable::default());
-            if let Err(e) = answer("rabbitmq queue.declare", declaring).await {
-                return Err(Error::Config(format!(
-                    "rabbitmq queue {queue}: {e}. Fix: declare the queue (durable; a quorum queue for replication) or \
-                     name an existing one"
-                )));
-            }
-            let _ = answer("rabbitmq channel close", channel.close(200, "".into())).await;
-        }
-        close(&connection).await;
+        super::check(config).await?;
         let prefetch = config.prefetch.unwrap_or_else(|| engine.batch_size.clamp(1, usize::from(u16::MAX)) as u16);
-        let source = RabbitSource { config: config.clone(), prefetch, session: tokio::sync::Mutex::new(None) };
+        let backlog = tokio::spawn(watch_backlog(config.url.clone(), config.queues.clone(), engine.group.clone()));
+        let source = RabbitSource { config: config.clone(), prefetch, session: tokio::sync::Mutex::new(None), backlog };
         let session = source.open().await.map_err(|e| Error::Config(e.to_string()))?;
         *source.session.lock().await = Some(session);
         tracing::info!(queues = ?config.queues, prefetch, "rabbitmq: consuming");
@@ -319,6 +333,7 @@ impl Source for RabbitSource {
 
 impl Drop for RabbitSource {
     fn drop(&mut self) {
+        self.backlog.abort();
         if let Some(session) = self.session.get_mut().take() {
             for consumer in &session.consumers {
                 consumer.abort();

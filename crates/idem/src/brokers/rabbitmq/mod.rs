@@ -159,6 +159,7 @@ pub async fn check(config: &RabbitConfig) -> Result<(), Error> {
     let server = crate::error::redact_url(&config.url);
     let mut problem = None;
     for queue in &config.queues {
+        // A passive declaration of a missing queue closes its channel: one channel per queue.
         let channel = answer("rabbitmq channel", connection.create_channel())
             .await
             .map_err(|e| Error::Config(format!("rabbitmq {server}: cannot open a channel: {e}")))?;
@@ -174,8 +175,8 @@ pub async fn check(config: &RabbitConfig) -> Result<(), Error> {
             Ok(Err(e)) => match e.kind() {
                 lapin::ErrorKind::ProtocolError(amqp) => match amqp.kind() {
                     AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND) => format!(
-                        "it does not exist on {server}: declare it (rabbitmqadmin declare queue name={queue} \
-                         durable=true), or fix its name"
+                        "it does not exist on {server}: declare the queue (rabbitmqadmin declare queue \
+                         name={queue} durable=true; a quorum queue for replication), or fix its name"
                     ),
                     AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED) => format!(
                         "this user may not use it ({}): grant the user configure and read permissions on it \
@@ -190,6 +191,7 @@ pub async fn check(config: &RabbitConfig) -> Result<(), Error> {
         problem = Some(format!("rabbitmq queue `{queue}`: {fault}"));
         break;
     }
+    // A channel that refused a declaration is closed already; the others close with the connection.
     let _ = connection.close(200, "checked".into()).await;
     problem.map_or(Ok(()), |problem| Err(Error::Config(problem)))
 }

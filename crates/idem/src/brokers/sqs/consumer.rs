@@ -53,6 +53,31 @@ pub struct SqsSource {
     buffer: tokio::sync::Mutex<VecDeque<Message>>,
     in_hand: InHand,
     extender: tokio::task::JoinHandle<()>,
+    /// Reads the queue's backlog every [`BACKLOG_EVERY`] into [`crate::lag`].
+    backlog: tokio::task::JoinHandle<()>,
+}
+
+/// How often the queue's backlog (`ApproximateNumberOfMessages`) is read.
+const BACKLOG_EVERY: Duration = Duration::from_secs(15);
+
+/// Records the messages waiting in the queue (visible ones, SQS's approximate count) as consumer group `group`'s
+/// lag every [`BACKLOG_EVERY`], until aborted.
+async fn watch_backlog(client: aws_sdk_sqs::Client, queue: QueueInfo, group: String) {
+    loop {
+        let attributes = client
+            .get_queue_attributes()
+            .queue_url(&queue.url)
+            .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
+            .send()
+            .await;
+        let waiting = attributes.ok().and_then(|a| {
+            a.attributes()?.get(&QueueAttributeName::ApproximateNumberOfMessages)?.trim().parse::<i64>().ok()
+        });
+        if let Some(waiting) = waiting {
+            crate::lag::record(&group, &queue.name, None, waiting);
+        }
+        tokio::time::sleep(BACKLOG_EVERY).await;
+    }
 }
 
 /// What a consumer of `config` needs from SQS, checked without receiving anything: the credentials and the
@@ -107,7 +132,9 @@ impl SqsSource {
             Arc::clone(&in_hand),
             queue.visibility_timeout,
         ));
+        let backlog = tokio::spawn(watch_backlog(client.clone(), queue.clone(), engine.group.clone()));
         Ok(SqsSource {
+            backlog,
             client,
             per_receive: engine.batch_size.clamp(1, PER_REQUEST) as i32,
             queue,
@@ -404,6 +431,7 @@ impl Source for SqsSource {
 impl Drop for SqsSource {
     fn drop(&mut self) {
         self.extender.abort();
+        self.backlog.abort();
     }
 }
 
