@@ -35,8 +35,8 @@ fn pubsub_emulator() -> String {
 }
 
 /// Runs `idem demo --json` with `events`, 3 crashes and `args` (the emulator's address in its environment): the
-/// summary, checked to say `ok` on `database` after the 3 crashes.
-fn run_demo(events: u64, args: &[&str], database: &str) -> Value {
+/// summary, checked to say `ok` on `database` after at least `crashes` of them.
+fn run_demo(events: u64, args: &[&str], database: &str, crashes: u64) -> Value {
     let out = Command::new(env!("CARGO_BIN_EXE_idem"))
         .args(["demo", "--json", "--events", &events.to_string(), "--crashes", "3"])
         .args(args)
@@ -49,7 +49,8 @@ fn run_demo(events: u64, args: &[&str], database: &str) -> Value {
     assert!(out.status.success(), "{summary}");
     assert_eq!(summary["ok"], true, "{summary}");
     assert_eq!(summary["database"], database, "{summary}");
-    assert_eq!(summary["crashes_survived"], 3, "{summary}");
+    let survived = summary["crashes_survived"].as_u64().unwrap_or(0);
+    assert!((crashes..=3).contains(&survived), "{summary}");
     summary
 }
 
@@ -60,7 +61,7 @@ fn demo(broker: [&str; 2], extra: &[&str], database: &str) {
     }
     // Fewer events on SQS: the local stand-in's sends slow down with every message its queue holds.
     let events: u64 = if broker[0] == "--sqs" { 500 } else { 2000 };
-    let summary = run_demo(events, &[broker.as_slice(), extra].concat(), database);
+    let summary = run_demo(events, &[broker.as_slice(), extra].concat(), database, 3);
     assert_eq!(summary["ledger_entries"], events, "{summary}");
     assert_eq!(summary["distinct_ledger_events"], events, "{summary}");
     // A crash after a commit leaves its batch unacknowledged: it comes again and is absorbed.
@@ -70,7 +71,9 @@ fn demo(broker: [&str; 2], extra: &[&str], database: &str) {
 /// `idem demo --pubsub` on the emulator: it does not deliver again what a killed consumer held on an ordered
 /// subscription, so the summary's figures are checked against what it held back.
 fn demo_on_the_pubsub_emulator(broker: [&str; 2], extra: &[&str], database: &str) {
-    let summary = run_demo(2000, &[broker.as_slice(), extra].concat(), database);
+    // The emulator holds back for good what a killed consumer held, so a later run can reach the end of what it
+    // delivers before its fault point: at least the first crash happens.
+    let summary = run_demo(2000, &[broker.as_slice(), extra].concat(), database, 1);
     let number = |v: &Value| v.as_u64().unwrap_or_else(|| panic!("not a count: {v} in {summary}"));
     let held = &summary["held_back"];
     // Each event is applied, dead-lettered or held back by the emulator: none lost, none twice.
