@@ -141,7 +141,8 @@ pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
             with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
         Some(BrokerTarget::Nats(url)) => {
-            let producer = HttpOr(http, nats_producer(&url).await?);
+            let waiting = with_pool!(&db, pool => idem::outbox::destinations(pool, &tables).await?);
+            let producer = HttpOr(http, nats_producer(&url, &waiting).await?);
             with_pool!(&db, pool => run(pool, &tables, config, producer, shutdown).await?)
         }
         Some(BrokerTarget::Rabbitmq(url)) => {
@@ -211,12 +212,26 @@ fn kafka_producer(brokers: &str) -> anyhow::Result<Publish<idem::kafka::KafkaPro
 }
 
 #[cfg(feature = "nats")]
-async fn nats_producer(url: &str) -> anyhow::Result<idem::nats::NatsProducer> {
-    Ok(idem::nats::NatsProducer::connect(url).await?)
+async fn nats_producer(
+    url: &str,
+    waiting: &[idem::outbox::DestinationStats],
+) -> anyhow::Result<idem::nats::NatsProducer> {
+    let producer = idem::nats::NatsProducer::connect(url).await?;
+    // A destination no stream holds is said before its first delivery fails (and again with each failure).
+    for destination in waiting.iter().filter(|d| !idem::outbox::is_http(&d.destination)) {
+        if let Err(error) = producer.stream_holding(&destination.destination).await {
+            tracing::warn!(destination = %destination.destination, pending = destination.pending,
+                "outbox relay: {error}; its messages wait until one does");
+        }
+    }
+    Ok(producer)
 }
 
 #[cfg(not(feature = "nats"))]
-async fn nats_producer(_: &str) -> anyhow::Result<Publish<idem::embedded::LogProducer>> {
+async fn nats_producer(
+    _: &str,
+    _: &[idem::outbox::DestinationStats],
+) -> anyhow::Result<Publish<idem::embedded::LogProducer>> {
     bail!("--nats: this idem is built without the `nats` feature")
 }
 

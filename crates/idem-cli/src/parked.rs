@@ -89,7 +89,7 @@ pub async fn run(command: ParkedCommand) -> anyhow::Result<ExitCode> {
                         serde_json::json!({
                             "fingerprint": fingerprint,
                             "id": p.id, "consumer_group": p.consumer_group, "event_id": p.event_id,
-                            "topic": p.topic, "partition": p.partition, "offset": p.offset,
+                            "topic": p.topic, "partition": p.partition, "offset": p.offset.to_string(),
                             "key": p.key.as_deref().map(String::from_utf8_lossy),
                             "payload": crate::json_payload(&p.payload), "attempts": p.attempts,
                             "delayed_retries": p.delayed_retries, "error": p.error,

@@ -259,3 +259,27 @@ async fn discarded_letters_are_archived_and_old_ones_replay_only_when_forced() {
     assert!(String::from_utf8_lossy(&forced.stdout).contains("1 dead letter(s) replayed"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A 64-bit offset (a Pub/Sub message id, an SQS message's digest) survives `jq` and JavaScript: `list --json` and
+/// `archived --json` write it as a decimal string, exact where a JSON number would be rounded beyond 2^53.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_64_bit_offset_is_exact_in_json() {
+    let (dir, url, _log_dir) = dead_lettered("offsets").await;
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    sqlx::query("UPDATE dead_letters SET \"offset\" = ? WHERE event_id = 'missing-101'")
+        .bind(i64::MAX)
+        .execute(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    let db = ["--database-url", url.as_str()];
+    let listed = json(&[&["dead-letters", "list", "--json"], &db[..]].concat());
+    let letter = listed.as_array().unwrap().iter().find(|l| l["event_id"] == "missing-101").unwrap().clone();
+    assert_eq!(letter["offset"], "9223372036854775807", "{letter}");
+    let id = letter["id"].as_i64().unwrap().to_string();
+    let out = idem().args(["dead-letters", "discard", &id, "--reason", "offset check"]).args(db).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let archived = json(&[&["dead-letters", "archived", "--json"], &db[..]].concat());
+    assert_eq!(archived[0]["offset"], "9223372036854775807", "{archived}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -76,9 +76,9 @@ fn metrics_health_and_prune_of_a_running_consumer() {
     let (status, metrics) = get(&addr, "/metrics");
     assert_eq!(status, 200);
     let labels = r#"consumer_group="demo-ledger",topic="payments""#;
-    assert!(metrics.contains(&format!(r#"events_handled_total{{{labels},outcome="processed"}} 10"#)), "{metrics}");
-    assert!(metrics.contains(&format!(r#"events_handled_total{{{labels},outcome="duplicate"}} 2"#)), "{metrics}");
-    assert!(metrics.contains("event_handle_duration_seconds_bucket"), "{metrics}");
+    assert!(metrics.contains(&format!(r#"idem_events_handled_total{{{labels},outcome="processed"}} 10"#)), "{metrics}");
+    assert!(metrics.contains(&format!(r#"idem_events_handled_total{{{labels},outcome="duplicate"}} 2"#)), "{metrics}");
+    assert!(metrics.contains("idem_event_handle_duration_seconds_bucket"), "{metrics}");
     assert_eq!(get(&addr, "/nope").0, 404);
 
     unsafe {

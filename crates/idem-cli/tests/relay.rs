@@ -197,14 +197,19 @@ async fn a_relay_serves_its_metrics() {
     };
     let deadline = Instant::now() + Duration::from_secs(20);
     let metrics = loop {
-        let delivered = r#"outbox_published_total{destination="nowhere-yet",outcome="delivered"} 2"#;
+        let delivered = r#"idem_outbox_published_total{destination="nowhere-yet",outcome="delivered"} 2"#;
         if let Some(body) = get("/metrics").filter(|b| b.contains(delivered)) {
             break body;
         }
         assert!(Instant::now() < deadline, "no outbox metrics on /metrics: {:?}", get("/metrics"));
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    assert!(metrics.contains("outbox_pending_messages"), "{metrics}");
+    assert!(metrics.contains("idem_outbox_pending_messages"), "{metrics}");
+    // The outcomes that have not happened are there at 0, for increase() and absent().
+    for outcome in ["failed", "dead_lettered"] {
+        let line = format!(r#"idem_outbox_published_total{{destination="nowhere-yet",outcome="{outcome}"}} 0"#);
+        assert!(metrics.contains(&line), "missing `{line}` in:\n{metrics}");
+    }
     assert!(get("/readyz").unwrap().starts_with("HTTP/1.1 200"));
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -285,4 +290,55 @@ async fn a_broker_away_for_a_while_delays_the_relay_and_loses_nothing() {
     }
     assert_eq!(next.len(), 12);
     assert!(next.values().all(|&n| n == 50), "{next:?}");
+}
+
+/// A relay to NATS whose destination no stream holds says so when it starts, naming the subject and the command
+/// that fixes it; its messages wait (nothing is dead-lettered), and once the stream is created they are delivered.
+#[cfg(feature = "nats")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_no_stream_holds_is_named_and_waits_for_its_stream() {
+    let nats = std::env::var("IDEM_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let stream = format!("idem_relay_nostream_{}_{nanos}", std::process::id());
+    let subject = format!("{stream}.orders");
+    let dir = std::env::temp_dir().join(&stream);
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}/outbox.db", dir.display());
+    let pool = idem::sqlite::connect(&url).await.unwrap();
+    idem::migrate(&pool, &idem::Tables::default()).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let messages: Vec<OutgoingMessage> =
+        (0..3).map(|n| OutgoingMessage::new(subject.clone(), format!(r#"{{"n":{n}}}"#))).collect();
+    Outbox::default().enqueue_all(&mut *tx, &messages).await.unwrap();
+    tx.commit().await.unwrap();
+    pool.close().await;
+
+    let stderr = std::fs::File::create(dir.join("relay.err")).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["relay", "--database-url", &url, "--nats", &nats, "--until-empty", "--poll-interval-ms", "50"])
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .expect("start idem relay");
+    let running = RelayProcess(Some(child));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let said = loop {
+        let said = std::fs::read_to_string(dir.join("relay.err")).unwrap_or_default();
+        if said.contains("no JetStream stream holds the subject") {
+            break said;
+        }
+        assert!(Instant::now() < deadline, "the relay did not name the missing stream:\n{said}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        said.contains(&subject) && said.contains(&format!("nats stream add NAME --subjects '{subject}'")),
+        "{said}"
+    );
+    idem::nats::create_stream(&nats, &stream, &[&format!("{stream}.>")], Duration::ZERO).await.unwrap();
+    let out = running.finish();
+    assert!(out.status.success(), "{}", std::fs::read_to_string(dir.join("relay.err")).unwrap_or_default());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("delivered 3") && stdout.contains("dead-lettered 0"), "{stdout}");
+    idem::nats::delete_stream(&nats, &stream).await.unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
 }

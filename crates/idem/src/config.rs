@@ -30,8 +30,8 @@ pub struct Config {
     pub pruning: Pruning,
     /// What to do with an event whose id was already used by a different payload. Default: skip it.
     pub id_reuse: IdReusePolicy,
-    /// How often the consumer refreshes the marker gauges (`processed_events_row_count`,
-    /// `processed_events_oldest_age_seconds`, `dead_letters_stored`) with a count. Default 60 s.
+    /// How often the consumer refreshes the marker gauges (`idem_processed_events_rows`,
+    /// `idem_processed_events_oldest_age_seconds`, `idem_dead_letters_stored`) with a count. Default 60 s.
     pub stats_interval: Duration,
     /// How the marker table is laid out: one plain table (the default) or day/month partitions (PostgreSQL).
     pub layout: MarkerLayout,
@@ -42,7 +42,7 @@ pub struct Config {
     /// insert ([`Dedup::NaturalKey`]).
     pub dedup: Dedup,
     /// How long a partition may hold work without a commit before it counts as stalled: logged at WARN, shown by
-    /// the gauge `partition_stalled_seconds` and by [`crate::Engine::health`] (and `/readyz`). Default 60 s.
+    /// the gauge `idem_partition_stalled_seconds` and by [`crate::Engine::health`] (and `/readyz`). Default 60 s.
     pub stall_after: Duration,
     /// The second retry tier: after `max_attempts` immediate attempts, a message still failing with a retryable
     /// error is parked in the database and acknowledged, and tried again on this schedule (see

@@ -1,4 +1,4 @@
-//! Lost-event detection (`events_lost_total`): producers that stamp each event
+//! Lost-event detection (`idem_events_lost_total`): producers that stamp each event
 //! with their id (`idem-producer-id`) and a sequence number per partition (`idem-seq`, from 1), as the Kafka
 //! producer helper does, let the consumer notice a hole: a sequence that jumps ahead means events between were
 //! never delivered.

@@ -144,7 +144,7 @@ pub fn install_recorder() -> Result<PrometheusHandle, Error> {
     let buckets = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0];
     metrics_exporter_prometheus::PrometheusBuilder::new()
         .set_buckets_for_metric(
-            metrics_exporter_prometheus::Matcher::Full("event_handle_duration_seconds".into()),
+            metrics_exporter_prometheus::Matcher::Full("idem_event_handle_duration_seconds".into()),
             &buckets,
         )
         .and_then(|builder| builder.install_recorder())

@@ -8,7 +8,7 @@
 //! * When [`KillSwitch::threshold`] messages in a row failed with the same reason, the switch trips: the
 //!   message at hand is **not** dead-lettered, every partition stops before its next transaction, one ERROR line
 //!   names the reason and the command that replays the messages dead-lettered before the trip, the gauge
-//!   `consumer_paused{consumer_group}` reads 1 and `/readyz` reports not ready.
+//!   `idem_consumer_paused{consumer_group}` reads 1 and `/readyz` reports not ready.
 //! * After [`KillSwitch::pause`] (or at once on [`crate::Engine::resume`]) the consumer tries again, starting
 //!   with the message that tripped it. If it fails the same way the switch trips again at once; a success closes
 //!   it. Messages held back are never acknowledged, so nothing is lost however long the pause.

@@ -2,7 +2,7 @@
 //! partition's end and the committed offset, every `statistics.interval.ms`), JetStream's pending count on each
 //! delivery, each RabbitMQ queue's ready messages and each SQS queue's approximate count of visible messages
 //! (every 15 s). Kept in this process for the console's consumers view, and exported as the gauge
-//! `consumer_lag_messages`. A source that does not tell (Pub/Sub, the embedded log) has none.
+//! `idem_consumer_lag_messages`. A source that does not tell (Pub/Sub, the embedded log) has none.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{LazyLock, Mutex};
@@ -32,7 +32,7 @@ fn lags() -> std::sync::MutexGuard<'static, Lags> {
 /// Records that consumer group `group` is `messages` behind on `topic` (`partition`).
 pub fn record(group: &str, topic: &str, partition: Option<i32>, messages: i64) {
     let label = partition.map_or_else(|| "all".to_owned(), |p| p.to_string());
-    metrics::gauge!("consumer_lag_messages", "consumer_group" => group.to_owned(), "topic" => topic.to_owned(),
+    metrics::gauge!("idem_consumer_lag_messages", "consumer_group" => group.to_owned(), "topic" => topic.to_owned(),
         "partition" => label)
     .set(messages as f64);
     let at = crate::engine::now_ms();

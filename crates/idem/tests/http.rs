@@ -39,7 +39,7 @@ async fn the_endpoint_answers_get_head_and_not_ready_with_a_reason() {
     let db = common::sqlite().await;
     common::setup(&db.pool).await;
     let engine = idem::Engine::new(db.pool.clone(), common::config(10)).expect("engine");
-    metrics::counter!("events_handled_total", "outcome" => "processed").increment(0);
+    metrics::counter!("idem_events_handled_total", "outcome" => "processed").increment(0);
     let handle = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder().handle();
     let addr = idem::http::serve("127.0.0.1:0".parse().expect("addr"), handle, engine.clone()).await.expect("serve");
 

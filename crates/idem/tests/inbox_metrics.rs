@@ -59,21 +59,21 @@ async fn inbox_metrics_after_a_known_run() {
     let text = recorder.render();
     let labels = r#"consumer_group="orders",sequence="order""#;
     for (name, value) in [
-        ("inbox_consumed_total", "4"),
-        ("inbox_processed_total", "1"),
-        ("inbox_released_total", "1"),
-        ("inbox_buffered_total", "2"),
-        ("inbox_duplicates_skipped_total", "1"),
-        ("inbox_waiting_messages", "1"),
-        ("inbox_instances_expiring_soon", "2"),
-        ("inbox_instances_expired", "0"),
+        ("idem_inbox_consumed_total", "4"),
+        ("idem_inbox_processed_total", "1"),
+        ("idem_inbox_released_total", "1"),
+        ("idem_inbox_buffered_total", "2"),
+        ("idem_inbox_duplicates_skipped_total", "1"),
+        ("idem_inbox_waiting_messages", "1"),
+        ("idem_inbox_instances_expiring_soon", "2"),
+        ("idem_inbox_instances_expired", "0"),
     ] {
         let line = format!("{name}{{{labels}}} {value}\n");
         assert!(text.contains(&line), "missing `{line}` in:\n{text}");
     }
     let age = text
         .lines()
-        .find_map(|l| l.strip_prefix(&format!("inbox_oldest_waiting_age_seconds{{{labels}}} ")))
+        .find_map(|l| l.strip_prefix(&format!("idem_inbox_oldest_waiting_age_seconds{{{labels}}} ")))
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or_else(|| panic!("no oldest waiting age in:\n{text}"));
     assert!((600.0..700.0).contains(&age), "oldest waiting age {age}");

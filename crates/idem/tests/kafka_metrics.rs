@@ -1,4 +1,4 @@
-//! Kafka's per-partition consumer lag (`consumer_lag_messages`), against a real broker. Alone in its test
+//! Kafka's per-partition consumer lag (`idem_consumer_lag_messages`), against a real broker. Alone in its test
 //! binary: the metrics recorder is global to the process.
 #![cfg(feature = "kafka")]
 
@@ -24,7 +24,7 @@ impl Handler<sqlx::Postgres> for Slow {
 
 fn lag_of(text: &str, topic: &str) -> Option<f64> {
     text.lines()
-        .find(|l| l.starts_with("consumer_lag_messages{") && l.contains(&format!("topic=\"{topic}\"")))
+        .find(|l| l.starts_with("idem_consumer_lag_messages{") && l.contains(&format!("topic=\"{topic}\"")))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
 }
@@ -89,7 +89,7 @@ async fn consumer_lag_per_partition_follows_the_backlog() {
     assert_eq!(stats.processed, 80);
     assert!(highest >= 20.0, "the backlog showed: highest lag {highest}");
     let text = recorder.render();
-    let line = text.lines().find(|l| l.starts_with("consumer_lag_messages{") && l.contains(&topic)).unwrap();
+    let line = text.lines().find(|l| l.starts_with("idem_consumer_lag_messages{") && l.contains(&topic)).unwrap();
     assert!(line.contains("partition=\"0\"") && line.contains("consumer_group=\"lag-group-"), "{line}");
     assert_eq!(lag_of(&text, &topic), Some(0.0), "caught up: {line}");
     assert_eq!(seen_by_console, [(topic.clone(), Some(0), 0)], "the console's consumers view reads the same figure");

@@ -201,3 +201,21 @@ async fn the_last_delivery_max_deliver_allows_is_dead_lettered_without_the_handl
     assert_eq!((info.num_pending, info.num_ack_pending), (0, 0), "{info:?}");
     delete_stream(&url(), &name).await.unwrap();
 }
+
+/// A publish to a subject no stream holds (a relay whose destination stream was never created) says so and how
+/// to fix it, as a retryable error: the stream may be created meanwhile, and the next publish is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_to_a_subject_no_stream_holds_names_the_fix() {
+    let producer = NatsProducer::connect(&url()).await.unwrap();
+    let name = unique("nostream");
+    let subject = format!("{name}.orders");
+    let error = producer.send(&subject, b"{}", &[]).await.expect_err("no stream holds the subject");
+    let text = error.to_string();
+    assert!(text.contains(&format!("no JetStream stream holds the subject {subject}")), "{text}");
+    assert!(text.contains(&format!("nats stream add NAME --subjects '{subject}'")), "{text}");
+    assert_eq!(error.retry(), idem::Retry::Helps, "retried until the stream exists: {text}");
+    create_stream(&url(), &name, &[&format!("{name}.>")], Duration::ZERO).await.unwrap();
+    let published = producer.send(&subject, b"{}", &[]).await.expect("stored once the stream exists");
+    assert_eq!(published.sequence, 1);
+    delete_stream(&url(), &name).await.unwrap();
+}

@@ -126,7 +126,7 @@ async fn without_the_lease_extension_the_slow_batch_is_delivered_again() {
 
 /// On a subscription with exactly-once delivery, the acknowledgement of the slow message's first delivery comes
 /// after its deadline passed (the mutant's 1 s lease): Pub/Sub refuses it. idem counts it
-/// (`pubsub_ack_failed_total`), the consumer goes on, and the redelivery is absorbed by the marker.
+/// (`idem_pubsub_ack_failed_total`), the consumer goes on, and the redelivery is absorbed by the marker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_an_exactly_once_subscription_a_refused_ack_is_counted_and_the_consumer_goes_on() {
     let metrics = idem::http::install_recorder().expect("the test binary's one recorder");
@@ -142,7 +142,7 @@ async fn on_an_exactly_once_subscription_a_refused_ack_is_counted_and_the_consum
     let rendered = metrics.render();
     let refused: f64 = rendered
         .lines()
-        .filter(|line| line.starts_with("pubsub_ack_failed_total") && line.contains(&subscription))
+        .filter(|line| line.starts_with("idem_pubsub_ack_failed_total") && line.contains(&subscription))
         .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     assert!(refused >= 1.0, "the late acknowledgement was refused and counted:\n{rendered}");

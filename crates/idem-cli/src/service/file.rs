@@ -128,7 +128,7 @@ pub struct Consumer {
     /// Attempts of a transaction that fails retryably before its message is dead-lettered (default 10).
     pub max_attempts: Option<Spanned<u32>>,
     /// How long a partition may hold work without a commit before it counts as stalled (`60s`, the default):
-    /// logged, in `partition_stalled_seconds` and in `/readyz`.
+    /// logged, in `idem_partition_stalled_seconds` and in `/readyz`.
     pub stall_after: Option<Spanned<String>>,
     /// Delayed retries after the immediate ones: `{ schedule = ["10s", "1m", "10m", "1h"], order = "key" }`. A
     /// message still failing is parked in the database and acknowledged, and tried again on the schedule; later

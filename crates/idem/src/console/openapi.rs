@@ -298,7 +298,9 @@ pub fn document() -> Value {
                 }), &["fingerprint", "consumer_group", "pattern", "count", "first_failed_at", "last_failed_at", "sample", "ids"]),
                 "DeadLetter": object(json!({
                     "id": integer(), "consumer_group": string(), "event_id": nullable_string(), "topic": string(),
-                    "partition": { "type": "integer" }, "offset": integer(), "error": string(),
+                    "partition": { "type": "integer" },
+                    "offset": { "type": "string", "pattern": "^-?[0-9]+$", "description": "The 64-bit offset as a decimal string (exact beyond 2^53)." },
+                    "error": string(),
                     "attempts": { "type": "integer" }, "first_failed_at": string(), "last_failed_at": string(),
                     "status": string(), "fingerprint": string(),
                     "payload": { "type": "string", "nullable": true, "description": "Null unless payloads are shown." },

@@ -207,8 +207,8 @@ impl<DB: Backend> Engine<DB> {
     pub(super) fn tripped(&self, reason: &str) {
         let config = &self.inner.config;
         let group = &config.group;
-        metrics::gauge!("consumer_paused", "consumer_group" => group.clone()).set(1.0);
-        metrics::counter!("kill_switch_trips_total", "consumer_group" => group.clone()).increment(1);
+        metrics::gauge!("idem_consumer_paused", "consumer_group" => group.clone()).set(1.0);
+        metrics::counter!("idem_kill_switch_trips_total", "consumer_group" => group.clone()).increment(1);
         let system = self.inner.system.get().copied().unwrap_or("idem");
         tracing::error!(
             consumer_group = %group,
@@ -233,7 +233,7 @@ impl<DB: Backend> Engine<DB> {
         if !breaker.hold(|| shutdown.triggered()).await {
             return Err(Error::Stopped);
         }
-        metrics::gauge!("consumer_paused", "consumer_group" => self.inner.config.group.clone()).set(0.0);
+        metrics::gauge!("idem_consumer_paused", "consumer_group" => self.inner.config.group.clone()).set(0.0);
         tracing::info!(consumer_group = %self.inner.config.group, "kill switch closed; trying again");
         Ok(self)
     }
@@ -273,7 +273,7 @@ impl<DB: Backend> Engine<DB> {
         match result {
             Ok((outcomes, started)) => {
                 let topic = items.first().map_or("", |i| i.message().topic.as_str());
-                metrics::histogram!("event_handle_duration_seconds", "consumer_group" => config.group.clone(),
+                metrics::histogram!("idem_event_handle_duration_seconds", "consumer_group" => config.group.clone(),
                     "topic" => topic.to_owned())
                 .record(started.elapsed().as_secs_f64());
                 Ok(Ok((outcomes, started)))

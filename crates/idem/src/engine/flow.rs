@@ -236,8 +236,8 @@ impl Lanes {
 }
 
 impl<DB: Backend> Engine<DB> {
-    /// Every second while the engine runs: the gauges of each lane (`partition_stalled_seconds`,
-    /// `partition_waiting_messages`), a WARN when a lane stalls, an INFO when it moves again, and a resume of a
+    /// Every second while the engine runs: the gauges of each lane (`idem_partition_stalled_seconds`,
+    /// `idem_partition_waiting_messages`), a WARN when a lane stalls, an INFO when it moves again, and a resume of a
     /// paused lane that caught up while its last resume failed. The gauges are written under the lanes' lock, so
     /// a lane closed meanwhile keeps the zeros [`Engine::close_lane`] wrote.
     pub(super) async fn watch_stalls<S: Source>(self, source: Arc<S>) {
@@ -257,10 +257,10 @@ impl<DB: Backend> Engine<DB> {
                 let idle = now.saturating_sub(lane.moved_at.load(Ordering::SeqCst));
                 let stalled = waiting > 0 && idle >= stall_after;
                 let (topic, partition) = (lane.partition.topic.clone(), lane.partition.partition.to_string());
-                metrics::gauge!("partition_stalled_seconds", "consumer_group" => config.group.clone(),
+                metrics::gauge!("idem_partition_stalled_seconds", "consumer_group" => config.group.clone(),
                     "topic" => topic.clone(), "partition" => partition.clone())
                 .set(if stalled { idle as f64 / 1000.0 } else { 0.0 });
-                metrics::gauge!("partition_waiting_messages", "consumer_group" => config.group.clone(),
+                metrics::gauge!("idem_partition_waiting_messages", "consumer_group" => config.group.clone(),
                     "topic" => topic, "partition" => partition)
                 .set(waiting as f64);
                 let mut reported = lane.reported.lock().unwrap_or_else(PoisonError::into_inner);
@@ -290,10 +290,10 @@ impl<DB: Backend> Engine<DB> {
         }
         let group = self.inner.config.group.clone();
         let (topic, number) = (partition.topic.clone(), partition.partition.to_string());
-        metrics::gauge!("partition_stalled_seconds", "consumer_group" => group.clone(), "topic" => topic.clone(),
+        metrics::gauge!("idem_partition_stalled_seconds", "consumer_group" => group.clone(), "topic" => topic.clone(),
             "partition" => number.clone())
         .set(0.0);
-        metrics::gauge!("partition_waiting_messages", "consumer_group" => group, "topic" => topic,
+        metrics::gauge!("idem_partition_waiting_messages", "consumer_group" => group, "topic" => topic,
             "partition" => number)
         .set(0.0);
     }

@@ -42,20 +42,20 @@ impl<DB: Backend> Engine<DB> {
                 let (rows, oldest, dead) =
                     mine.map_or((0, None, 0), |g| (g.markers, g.oldest_marker_age_seconds, g.dead_letters));
                 let group = config.group.clone();
-                metrics::gauge!("processed_events_row_count", "consumer_group" => group.clone()).set(rows as f64);
-                metrics::gauge!("processed_events_oldest_age_seconds", "consumer_group" => group.clone())
+                metrics::gauge!("idem_processed_events_rows", "consumer_group" => group.clone()).set(rows as f64);
+                metrics::gauge!("idem_processed_events_oldest_age_seconds", "consumer_group" => group.clone())
                     .set(oldest.unwrap_or(0.0));
-                metrics::gauge!("dead_letters_stored", "consumer_group" => group).set(dead as f64);
+                metrics::gauge!("idem_dead_letters_stored", "consumer_group" => group).set(dead as f64);
             }
             Err(error) => tracing::warn!(%error, "reading marker statistics failed"),
         }
     }
 
-    /// Moves the `dead_letters_stored` gauge by `n` dead letters just committed, so it shows them at once; the
+    /// Moves the `idem_dead_letters_stored` gauge by `n` dead letters just committed, so it shows them at once; the
     /// next count (every `stats_interval`) sets it again from the table, replays and deletions included.
     pub(crate) fn dead_letters_written(&self, n: u64) {
         if n > 0 {
-            metrics::gauge!("dead_letters_stored", "consumer_group" => self.inner.config.group.clone())
+            metrics::gauge!("idem_dead_letters_stored", "consumer_group" => self.inner.config.group.clone())
                 .increment(n as f64);
         }
     }
@@ -99,9 +99,9 @@ impl<DB: Backend> Engine<DB> {
         .await;
         match report {
             Ok(report) => {
-                metrics::counter!("processed_events_pruned_total", "consumer_group" => group.clone())
+                metrics::counter!("idem_processed_events_pruned_total", "consumer_group" => group.clone())
                     .increment(report.deleted);
-                metrics::gauge!("processed_events_prune_longest_statement_seconds", "consumer_group" => group)
+                metrics::gauge!("idem_processed_events_prune_longest_statement_seconds", "consumer_group" => group)
                     .set(report.longest_statement.as_secs_f64());
                 tracing::info!(consumer_group = %config.group, deleted = report.deleted, statements = report.statements,
                     longest_ms = report.longest_statement.as_millis() as u64, "markers pruned");
@@ -136,7 +136,7 @@ impl<DB: Backend> Engine<DB> {
         let Some(retention) = config.pruning.retention else { return };
         match DB::drop_expired_partitions(&self.inner.pool, &config.tables, retention).await {
             Ok((dropped, markers)) => {
-                metrics::counter!("processed_events_pruned_total", "consumer_group" => config.group.clone())
+                metrics::counter!("idem_processed_events_pruned_total", "consumer_group" => config.group.clone())
                     .increment(markers);
                 if !dropped.is_empty() {
                     tracing::info!(consumer_group = %config.group, ?dropped, markers, "marker partitions dropped");

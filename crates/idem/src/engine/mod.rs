@@ -78,6 +78,8 @@ struct Inner<DB: Backend> {
     /// Set by [`Engine::giving_back`]: a message whose retryable failures outlast `max_attempts` is returned as
     /// [`Error::GaveUp`] instead of dead-lettered.
     gives_back: AtomicBool,
+    /// The topics whose outcome counters are registered at 0 (`telemetry::zero_outcomes`).
+    topics_counted: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl<DB: Backend> Engine<DB> {
@@ -101,6 +103,7 @@ impl<DB: Backend> Engine<DB> {
                 warm: warm::Warm::default(),
                 system: std::sync::OnceLock::new(),
                 gives_back: AtomicBool::new(false),
+                topics_counted: std::sync::Mutex::new(std::collections::HashSet::new()),
             }),
         })
     }

@@ -184,6 +184,7 @@ impl<DB: Backend> Engine<DB> {
     /// Counts a committed transaction's outcomes (all of one partition, so of one topic) and tells the
     /// observer.
     pub(super) fn committed(&self, topic: &str, outcomes: &[Outcome]) {
+        self.count_topic(topic);
         let mut report = Committed::default();
         for &outcome in outcomes {
             self.inner.stats.count(outcome);
@@ -207,7 +208,7 @@ impl<DB: Backend> Engine<DB> {
             (Outcome::Parked, report.parked),
         ] {
             if n > 0 {
-                metrics::counter!("events_handled_total", "consumer_group" => self.inner.config.group.clone(),
+                metrics::counter!("idem_events_handled_total", "consumer_group" => self.inner.config.group.clone(),
                     "topic" => topic.to_owned(), "outcome" => outcome.as_str())
                 .increment(n);
             }
@@ -223,10 +224,21 @@ impl<DB: Backend> Engine<DB> {
         }
     }
 
+    /// Registers the topic's outcome counters at 0 the first time one of its messages is counted, so that each
+    /// outcome has a series before it first happens (`rate()` and `absent()` see it from then on).
+    fn count_topic(&self, topic: &str) {
+        let Ok(mut counted) = self.inner.topics_counted.lock() else { return };
+        if !counted.contains(topic) {
+            crate::telemetry::zero_outcomes(&self.inner.config.group, topic);
+            counted.insert(topic.to_owned());
+        }
+    }
+
     pub(super) fn count_retry(&self, items: &[Item]) {
         self.inner.stats.retried.fetch_add(1, Ordering::Relaxed);
         let topic = items.first().map_or("", |i| i.message().topic.as_str());
-        metrics::counter!("events_handled_total", "consumer_group" => self.inner.config.group.clone(),
+        self.count_topic(topic);
+        metrics::counter!("idem_events_handled_total", "consumer_group" => self.inner.config.group.clone(),
             "topic" => topic.to_owned(), "outcome" => "retried")
         .increment(1);
     }

@@ -267,7 +267,7 @@ impl<DB: Backend> Engine<DB> {
                 tracing::info!(consumer_group = %config.group, event_id = %m.event_id, topic = %m.topic,
                     partition = m.partition, offset = m.offset, outcome = outcome.as_str(),
                     delayed_retries = m.delayed_retries, "parked message released");
-                metrics::counter!("delayed_retries_total", "consumer_group" => config.group.clone(),
+                metrics::counter!("idem_delayed_retries_total", "consumer_group" => config.group.clone(),
                     "result" => "released")
                 .increment(1);
                 Ok(true)
@@ -301,7 +301,7 @@ impl<DB: Backend> Engine<DB> {
         let retryable = matches!(error, HandlerError::Retryable(_));
         if retryable && !last {
             DB::record_parked_failure(&self.inner.pool, &config.tables, parked.id, attempts, &reason, &history).await?;
-            metrics::counter!("delayed_retries_total", "consumer_group" => config.group.clone(), "result" => "failed")
+            metrics::counter!("idem_delayed_retries_total", "consumer_group" => config.group.clone(), "result" => "failed")
                 .increment(1);
             tracing::warn!(consumer_group = %config.group, event_id = %parked.event_id, topic = %parked.topic,
                 partition = parked.partition, offset = parked.offset, reason, attempts,
@@ -351,7 +351,7 @@ impl<DB: Backend> Engine<DB> {
         .await;
         match result {
             Ok(outcome) => {
-                metrics::counter!("delayed_retries_total", "consumer_group" => config.group.clone(),
+                metrics::counter!("idem_delayed_retries_total", "consumer_group" => config.group.clone(),
                     "result" => "dead_lettered")
                 .increment(1);
                 tracing::warn!(consumer_group = %config.group, event_id = %parked.event_id, topic = %parked.topic,
@@ -372,9 +372,9 @@ impl<DB: Backend> Engine<DB> {
         match DB::parked_figures(&self.inner.pool, &config.tables, &config.group).await {
             Ok((count, oldest)) => {
                 let group = config.group.clone();
-                metrics::gauge!("parked_messages", "consumer_group" => group.clone()).set(count as f64);
+                metrics::gauge!("idem_parked_messages", "consumer_group" => group.clone()).set(count as f64);
                 let age = oldest.map_or(0.0, |at| (now_ms() - at).max(0) as f64 / 1000.0);
-                metrics::gauge!("parked_oldest_age_seconds", "consumer_group" => group).set(age);
+                metrics::gauge!("idem_parked_oldest_age_seconds", "consumer_group" => group).set(age);
             }
             Err(error) => tracing::warn!(consumer_group = %config.group, %error, "reading the parked figures failed"),
         }

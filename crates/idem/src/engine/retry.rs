@@ -187,10 +187,11 @@ where
     }
 }
 
-/// Counts one retry of the first tier: `immediate_retries_total{consumer_group, cause}` (`handler`: a retryable
+/// Counts one retry of the first tier: `idem_immediate_retries_total{consumer_group, cause}` (`handler`: a retryable
 /// handler error; `database`: the database unavailable).
 fn immediate_retry(group: &str, cause: &'static str) {
-    metrics::counter!("immediate_retries_total", "consumer_group" => group.to_owned(), "cause" => cause).increment(1);
+    metrics::counter!("idem_immediate_retries_total", "consumer_group" => group.to_owned(), "cause" => cause)
+        .increment(1);
 }
 
 #[cfg(test)]

@@ -30,8 +30,14 @@ impl<DB: Backend> Engine<DB> {
     #[cfg(feature = "ingress")]
     pub(crate) async fn serving<T>(&self, system: &'static str, work: impl Future<Output = T>) -> T {
         crate::telemetry::describe();
+        crate::telemetry::zero_counters(&self.inner.config.group);
+        for reason in ["signature", "key"] {
+            metrics::counter!("idem_http_ingress_refused_total", "consumer_group" => self.inner.config.group.clone(),
+                "reason" => reason)
+            .increment(0);
+        }
         let _ = self.inner.system.set(system);
-        metrics::gauge!("consumer_paused", "consumer_group" => self.inner.config.group.clone()).set(0.0);
+        metrics::gauge!("idem_consumer_paused", "consumer_group" => self.inner.config.group.clone()).set(0.0);
         let _housekeeping = AbortOnDrop(tokio::spawn(self.clone().housekeeping()));
         self.inner.draining.store(false, Ordering::SeqCst);
         self.inner.running.store(true, Ordering::SeqCst);
@@ -47,8 +53,9 @@ impl<DB: Backend> Engine<DB> {
         shutdown: impl Future + Send,
     ) -> Result<StatsSnapshot, Error> {
         crate::telemetry::describe();
+        crate::telemetry::zero_counters(&self.inner.config.group);
         let _ = self.inner.system.set(S::SYSTEM);
-        metrics::gauge!("consumer_paused", "consumer_group" => self.inner.config.group.clone()).set(0.0);
+        metrics::gauge!("idem_consumer_paused", "consumer_group" => self.inner.config.group.clone()).set(0.0);
         let mut shutdown = std::pin::pin!(shutdown);
         // The layout check is the run's first statement: a database that is away is waited for, as later.
         let mut outages = 0u32;
@@ -268,7 +275,7 @@ impl<DB: Backend> Engine<DB> {
                 }
                 let committed = Instant::now();
                 engine.ack(source.as_ref(), &acknowledgement).await;
-                metrics::gauge!("consumer_offset_commit_lag_seconds", "consumer_group" => engine.inner.config.group.clone(),
+                metrics::gauge!("idem_consumer_offset_commit_lag_seconds", "consumer_group" => engine.inner.config.group.clone(),
                     "topic" => partition.topic.clone(), "partition" => partition.partition.to_string())
                 .set(committed.elapsed().as_secs_f64());
                 engine.inner.lanes.finished(&lane, taken, &limits, source.pausing());
@@ -284,7 +291,7 @@ impl<DB: Backend> Engine<DB> {
             let lost = gaps.observe(message);
             if lost > 0 {
                 self.inner.stats.lost.fetch_add(lost, Ordering::Relaxed);
-                metrics::counter!("events_lost_total", "consumer_group" => self.inner.config.group.clone(),
+                metrics::counter!("idem_events_lost_total", "consumer_group" => self.inner.config.group.clone(),
                     "topic" => message.topic.clone())
                 .increment(lost);
                 tracing::warn!(consumer_group = %self.inner.config.group, topic = %message.topic,

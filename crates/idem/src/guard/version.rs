@@ -40,7 +40,7 @@ type GapHook = Arc<dyn Fn(&Gap) -> GapDecision + Send + Sync>;
 ///
 /// [`VersionGuard::check`] moves the row's version column to the event's version and returns
 /// [`Decision::Apply`], or leaves it and returns [`Decision::Skip`] for an event that is not newer (marked
-/// [`Handled::Stale`]: counted as `stale` in `events_handled_total`, logged at INFO with both versions, its marker
+/// [`Handled::Stale`]: counted as `stale` in `idem_events_handled_total`, logged at INFO with both versions, its marker
 /// committed). An entity without a row gets one, with only the id and the version set (so the table's other
 /// `NOT NULL` columns need defaults; checked at start-up), which the handler then fills.
 ///

@@ -246,10 +246,10 @@ impl SequentialInbox {
             let labels = [("consumer_group", config.group.clone()), ("sequence", sequence.name.clone())];
             let (count, oldest) = waiting.iter().find(|w| w.0 == sequence.name).map_or((0, 0.0), |w| (w.1, w.2));
             let (soon, expired) = expiring.iter().find(|e| e.0 == sequence.name).map_or((0, 0), |e| (e.1, e.2));
-            metrics::gauge!("inbox_waiting_messages", &labels).set(count as f64);
-            metrics::gauge!("inbox_oldest_waiting_age_seconds", &labels).set(oldest);
-            metrics::gauge!("inbox_instances_expiring_soon", &labels).set(soon as f64);
-            metrics::gauge!("inbox_instances_expired", &labels).set(expired as f64);
+            metrics::gauge!("idem_inbox_waiting_messages", &labels).set(count as f64);
+            metrics::gauge!("idem_inbox_oldest_waiting_age_seconds", &labels).set(oldest);
+            metrics::gauge!("idem_inbox_instances_expiring_soon", &labels).set(soon as f64);
+            metrics::gauge!("idem_inbox_instances_expired", &labels).set(expired as f64);
         }
         Ok(())
     }

@@ -275,6 +275,8 @@ impl SequentialInbox {
         shutdown: impl std::future::Future + Send,
     ) -> Result<StatsSnapshot, Error> {
         let handler = Arc::new(handler);
+        let sequences = self.config.sequences.iter().map(|s| s.name.as_str());
+        crate::telemetry::zero_inbox(&self.engine.config().group, sequences);
         let housekeeping = tokio::spawn(self.clone().housekeeping_loop(Arc::clone(&handler)));
         let result = self
             .engine

@@ -423,13 +423,13 @@ impl SequentialInbox {
         }
         let c = &self.counters;
         let (counter, metric) = match what {
-            Count::Consumed => (&c.consumed, "inbox_consumed_total"),
-            Count::Processed => (&c.processed, "inbox_processed_total"),
-            Count::Released => (&c.released, "inbox_released_total"),
-            Count::Buffered => (&c.buffered, "inbox_buffered_total"),
-            Count::Duplicates => (&c.duplicates, "inbox_duplicates_skipped_total"),
-            Count::Failed => (&c.failed, "inbox_failed_total"),
-            Count::DeadLettered => (&c.dead_lettered, "inbox_dead_lettered_total"),
+            Count::Consumed => (&c.consumed, "idem_inbox_consumed_total"),
+            Count::Processed => (&c.processed, "idem_inbox_processed_total"),
+            Count::Released => (&c.released, "idem_inbox_released_total"),
+            Count::Buffered => (&c.buffered, "idem_inbox_buffered_total"),
+            Count::Duplicates => (&c.duplicates, "idem_inbox_duplicates_skipped_total"),
+            Count::Failed => (&c.failed, "idem_inbox_failed_total"),
+            Count::DeadLettered => (&c.dead_lettered, "idem_inbox_dead_lettered_total"),
         };
         counter.fetch_add(n, Ordering::Relaxed);
         let sequence = self.config.sequences[sequence].name.clone();

@@ -411,7 +411,7 @@ impl<DB: Backend, R: Respond<DB>> Ingress<DB, R> {
         if let Some(signature) = &self.inner.options.signature
             && let Err(e) = signature.verify(&parts.headers, &body, SystemTime::now())
         {
-            metrics::counter!("http_ingress_refused_total", "consumer_group" => self.group(), "reason" => "signature")
+            metrics::counter!("idem_http_ingress_refused_total", "consumer_group" => self.group(), "reason" => "signature")
                 .increment(1);
             tracing::warn!(path = parts.uri.path(), reason = %e, "a request's signature was refused; nothing stored");
             return problem(StatusCode::UNAUTHORIZED, &format!("signature refused: {e}"));
@@ -420,7 +420,7 @@ impl<DB: Backend, R: Respond<DB>> Ingress<DB, R> {
         let key = match self.inner.key.extract(&message) {
             Ok(key) => key,
             Err(missing) => {
-                metrics::counter!("http_ingress_refused_total", "consumer_group" => self.group(), "reason" => "key")
+                metrics::counter!("idem_http_ingress_refused_total", "consumer_group" => self.group(), "reason" => "key")
                     .increment(1);
                 return problem(StatusCode::BAD_REQUEST, &format!("{missing}: {}", self.key_fix()));
             }
@@ -513,7 +513,7 @@ impl<DB: Backend, R: Respond<DB>> Ingress<DB, R> {
                 response
             }
         };
-        metrics::counter!("http_ingress_responses_total", "consumer_group" => self.group(),
+        metrics::counter!("idem_http_ingress_responses_total", "consumer_group" => self.group(),
             "status" => response.status().as_u16().to_string())
         .increment(1);
         response

@@ -247,7 +247,7 @@ impl<DB: OutboxStore, D: Delivery> Relay<DB, D> {
             let now = DB::own(reader, &self.tables, &self.id, self.config.lease).await?;
             if now != p.owned {
                 tracing::info!(relay = %self.config.name, slots = now.len(), "outbox relay: slots taken");
-                metrics::gauge!("outbox_relay_slots", "relay" => self.config.name.clone()).set(now.len() as f64);
+                metrics::gauge!("idem_outbox_relay_slots", "relay" => self.config.name.clone()).set(now.len() as f64);
             }
             p.owned = now;
             p.rebalanced = Some(Instant::now());
@@ -284,7 +284,7 @@ impl<DB: OutboxStore, D: Delivery> Relay<DB, D> {
             DB::fetch(reader, &self.tables, &free, &in_flight, limit),
         );
         settled?;
-        metrics::histogram!("outbox_publish_duration_seconds", "relay" => self.config.name.clone())
+        metrics::histogram!("idem_outbox_publish_duration_seconds", "relay" => self.config.name.clone())
             .record(started.elapsed().as_secs_f64());
         let plan = Settlement::plan(&self.config, &batch, &results, &mut p.held);
         // The next batch left this one out: after a message that stays (failed, or held behind one that did), it
@@ -333,8 +333,8 @@ impl<DB: OutboxStore, D: Delivery> Relay<DB, D> {
     async fn outbox_empty(&self) -> Result<bool, Error> {
         let stats = DB::outbox_stats(&self.pool, &self.tables).await?;
         let relay = self.config.name.clone();
-        metrics::gauge!("outbox_pending_messages", "relay" => relay.clone()).set(stats.pending as f64);
-        metrics::gauge!("outbox_oldest_pending_age_seconds", "relay" => relay)
+        metrics::gauge!("idem_outbox_pending_messages", "relay" => relay.clone()).set(stats.pending as f64);
+        metrics::gauge!("idem_outbox_oldest_pending_age_seconds", "relay" => relay)
             .set(stats.oldest_age_seconds.unwrap_or(0.0));
         Ok(stats.pending == 0)
     }

@@ -108,7 +108,7 @@ impl Settlement {
         DB::delete(&mut *tx, tables, &self.gone()).await?;
         tx.commit().await?;
         for (_, destination, age) in &self.done {
-            metrics::histogram!("outbox_delivery_age_seconds", "destination" => destination.clone()).record(*age);
+            metrics::histogram!("idem_outbox_delivery_age_seconds", "destination" => destination.clone()).record(*age);
             count(destination, "delivered");
         }
         for (_, destination, _) in &self.failed {
@@ -125,7 +125,23 @@ impl Settlement {
     }
 }
 
+/// The outcomes of `idem_outbox_published_total`.
+const OUTCOMES: [&str; 3] = ["delivered", "failed", "dead_lettered"];
+
+/// Counts one delivery attempt. The first time this process meets a destination, each of its outcomes is
+/// registered at 0 first, so that `increase(…{outcome="dead_lettered"})` sees the first dead letter too.
 fn count(destination: &str, outcome: &'static str) {
-    metrics::counter!("outbox_published_total", "destination" => destination.to_owned(), "outcome" => outcome)
+    static MET: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<String>>> = std::sync::OnceLock::new();
+    if let Ok(mut met) = MET.get_or_init(Default::default).lock()
+        && !met.contains(destination)
+    {
+        for outcome in OUTCOMES {
+            metrics::counter!("idem_outbox_published_total", "destination" => destination.to_owned(),
+                "outcome" => outcome)
+            .increment(0);
+        }
+        met.insert(destination.to_owned());
+    }
+    metrics::counter!("idem_outbox_published_total", "destination" => destination.to_owned(), "outcome" => outcome)
         .increment(1);
 }

@@ -356,7 +356,9 @@ pub struct DeadLetter {
     pub topic: String,
     /// Partition of the original delivery.
     pub partition: i32,
-    /// Offset of the original delivery.
+    /// Offset of the original delivery. Written in JSON as a decimal string: a Pub/Sub message id or an SQS
+    /// message's digest makes a 64-bit offset, which JSON readers (jq, JavaScript) round beyond 2^53.
+    #[serde(serialize_with = "decimal")]
     pub offset: i64,
     /// The message key, if any.
     #[serde(skip)]
@@ -453,6 +455,11 @@ pub fn rfc3339_from_ms(ms: i64) -> String {
 
 pub(crate) fn rfc3339<S: serde::Serializer>(ms: &i64, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&rfc3339_from_ms(*ms))
+}
+
+/// A 64-bit integer as a decimal string, exact for every JSON reader.
+pub(crate) fn decimal<S: serde::Serializer>(n: &i64, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(n)
 }
 
 fn lossy_utf8<S: serde::Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {

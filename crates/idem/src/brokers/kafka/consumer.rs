@@ -296,7 +296,7 @@ async fn retention_guard(config: &KafkaConfig, engine: &crate::Config) -> Result
             }
         };
         if let Some(ms) = retention.filter(|ms| *ms >= 0) {
-            metrics::gauge!("kafka_topic_retention_seconds", "topic" => topic.clone()).set(ms as f64 / 1000.0);
+            metrics::gauge!("idem_kafka_topic_retention_seconds", "topic" => topic.clone()).set(ms as f64 / 1000.0);
         }
         retentions.push((topic.clone(), retention));
     }

@@ -72,7 +72,7 @@ async fn open_stream(
     // max_age 0 means forever, which the guard spells as a negative retention.
     let max_age = info.config.max_age;
     let retention_ms = if max_age.is_zero() { -1 } else { max_age.as_millis() as i64 };
-    metrics::gauge!("nats_stream_max_age_seconds", "stream" => config.stream.clone()).set(max_age.as_secs_f64());
+    metrics::gauge!("idem_nats_stream_max_age_seconds", "stream" => config.stream.clone()).set(max_age.as_secs_f64());
     RetentionPolicy {
         marker_retention: engine.pruning.retention,
         accept_infinite_retention: config.accept_infinite_stream_retention,
@@ -199,7 +199,7 @@ impl NatsSource {
         crate::lag::record(&self.group, &self.stream, None, i64::try_from(info.pending).unwrap_or(i64::MAX));
         let timestamp_ms = Some((info.published.unix_timestamp_nanos() / 1_000_000) as i64);
         if delivered > 1 {
-            metrics::counter!("nats_redelivered_total", "stream" => self.stream.clone()).increment(1);
+            metrics::counter!("idem_nats_redelivered_total", "stream" => self.stream.clone()).increment(1);
         }
         let message = message.message;
         let reply =

@@ -34,6 +34,20 @@ impl NatsProducer {
         Ok(NatsProducer { js: async_nats::jetstream::new(connect(url).await?) })
     }
 
+    /// The stream that holds `subject`, or why none can: no stream holds it (with the fix), or the subject is not
+    /// a valid one. A relay asks this of the destinations waiting in the outbox when it starts, so a missing
+    /// stream is said before the first delivery fails.
+    pub async fn stream_holding(&self, subject: &str) -> Result<String, SourceError> {
+        use async_nats::jetstream::context::GetStreamByNameErrorKind;
+        self.js.stream_by_subject(subject).await.map_err(|error| match error.kind() {
+            GetStreamByNameErrorKind::NotFound => SourceError::permanent("nats stream", no_stream_holds(subject)),
+            GetStreamByNameErrorKind::InvalidSubject => {
+                SourceError::permanent("nats stream", format!("{subject} is not a valid NATS subject"))
+            }
+            _ => SourceError::transient("nats stream", error),
+        })
+    }
+
     /// Publishes `payload` to `subject` and waits until the stream stored it. The event id is the
     /// `idem-event-id` of `headers` when there is one (a retry or a replay keeps its id), else a new UUIDv7.
     /// Header values must be text (NATS headers are).
@@ -81,15 +95,19 @@ impl NatsProducer {
 fn publish_error(subject: &str, error: async_nats::jetstream::context::PublishError) -> SourceError {
     use async_nats::jetstream::context::PublishErrorKind;
     match error.kind() {
-        PublishErrorKind::StreamNotFound => SourceError::transient(
-            "nats publish",
-            format!(
-                "no JetStream stream holds the subject {subject}: create one that does (nats stream add NAME \
-                 --subjects '{subject}'), or add the subject to an existing stream; retrying meanwhile"
-            ),
-        ),
+        PublishErrorKind::StreamNotFound => {
+            SourceError::transient("nats publish", format!("{}; retrying meanwhile", no_stream_holds(subject)))
+        }
         _ => SourceError::transient("nats publish", error),
     }
+}
+
+/// That no stream holds `subject`, with the fix.
+fn no_stream_holds(subject: &str) -> String {
+    format!(
+        "no JetStream stream holds the subject {subject}: create one that does (nats stream add NAME --subjects \
+         '{subject}'), or add the subject to an existing stream"
+    )
 }
 
 /// The headers of one message: the caller's, plus the event id (`idem-event-id`, kept when given) as

@@ -90,7 +90,7 @@ async fn open_subscription(
     .max()
     // A subscription that states no retention keeps unacknowledged messages for Pub/Sub's default, 7 days.
     .unwrap_or(7 * 24 * 3600 * 1000);
-    metrics::gauge!("pubsub_subscription_retention_seconds", "subscription" => path.clone())
+    metrics::gauge!("idem_pubsub_subscription_retention_seconds", "subscription" => path.clone())
         .set(kept_ms as f64 / 1000.0);
     RetentionPolicy {
         marker_retention: engine.pruning.retention,
@@ -146,7 +146,8 @@ impl PubSubSource {
     fn to_message(&self, message: google_cloud_pubsub::model::Message, handler: Handler) -> Message {
         let attempt = handler.delivery_attempt();
         if attempt.is_some_and(|n| n > 1) {
-            metrics::counter!("pubsub_redelivered_total", "subscription" => self.subscription.clone()).increment(1);
+            metrics::counter!("idem_pubsub_redelivered_total", "subscription" => self.subscription.clone())
+                .increment(1);
         }
         let offset = offset_of(&message.message_id);
         let key = (!message.ordering_key.is_empty()).then(|| message.ordering_key.as_bytes().to_vec());
@@ -297,7 +298,7 @@ impl Source for PubSubSource {
                 Some(Handler::ExactlyOnce(handler)) => {
                     if let Err(error) = handler.confirmed_ack().await {
                         // The message comes again and its marker absorbs it.
-                        metrics::counter!("pubsub_ack_failed_total", "subscription" => self.subscription.clone())
+                        metrics::counter!("idem_pubsub_ack_failed_total", "subscription" => self.subscription.clone())
                             .increment(1);
                         tracing::warn!(%error, subscription = %self.subscription,
                             "pubsub: an acknowledgement was refused; the message will come again as a duplicate");

@@ -8,7 +8,7 @@
 //!   clients do.
 //! * **Acknowledgement.** Only after commit, one message at a time. On a subscription with exactly-once delivery
 //!   each acknowledgement's result is awaited: a refused one (an expired ack id) is counted
-//!   (`pubsub_ack_failed_total`) and logged, never an error that stops the consumer: the message comes again and
+//!   (`idem_pubsub_ack_failed_total`) and logged, never an error that stops the consumer: the message comes again and
 //!   its marker absorbs it.
 //! * **Leases.** While idem holds a message (a batch, its retries, a slow handler), the client extends its ack
 //!   deadline, for at most [`PubSubConfig::max_lease`]; a batch that runs several deadlines is not delivered a

@@ -189,7 +189,7 @@ impl RabbitSource {
 
 fn to_message(queue: String, delivery: Delivery, delivery_limit: Option<u32>) -> Message {
     if delivery.redelivered {
-        metrics::counter!("rabbitmq_redelivered_total", "queue" => queue.clone()).increment(1);
+        metrics::counter!("idem_rabbitmq_redelivered_total", "queue" => queue.clone()).increment(1);
     }
     let mut headers = delivery.properties.headers().as_ref().map(header_pairs).unwrap_or_default();
     let message_id = delivery.properties.message_id().as_ref().map(|id| id.as_str().to_owned());

@@ -102,7 +102,7 @@ async fn open_queue(config: &SqsConfig, engine: &crate::Config) -> Result<(aws_s
     let client = super::client(config.endpoint.as_deref(), config.region.as_deref()).await?;
     let queue = super::queue_info(&client, &config.queue).await?;
     visibility_guard(&queue.name, queue.visibility_timeout, config.max_batch_time)?;
-    metrics::gauge!("sqs_queue_retention_seconds", "queue" => queue.name.clone())
+    metrics::gauge!("idem_sqs_queue_retention_seconds", "queue" => queue.name.clone())
         .set(queue.retention.map_or(0.0, |r| r.as_secs_f64()));
     RetentionPolicy { marker_retention: engine.pruning.retention, accept_infinite_retention: false, broker: SQS_QUEUE }
         .check(&[(queue.name.clone(), queue.retention.map(|r| r.as_millis() as i64))])?;
@@ -180,7 +180,7 @@ impl SqsSource {
         let receive_count: u32 =
             attribute(MessageSystemAttributeName::ApproximateReceiveCount).and_then(|n| n.parse().ok()).unwrap_or(1);
         if receive_count > 1 {
-            metrics::counter!("sqs_redelivered_total", "queue" => self.queue.name.clone()).increment(1);
+            metrics::counter!("idem_sqs_redelivered_total", "queue" => self.queue.name.clone()).increment(1);
         }
         let mut headers: Vec<(String, Vec<u8>)> = message
             .message_attributes()
@@ -352,7 +352,8 @@ async fn keep_invisible(client: aws_sdk_sqs::Client, url: String, in_hand: InHan
                             message.visible_at = now + timeout;
                         }
                     }
-                    metrics::counter!("sqs_visibility_extended_total").increment(changed.successful().len() as u64);
+                    metrics::counter!("idem_sqs_visibility_extended_total")
+                        .increment(changed.successful().len() as u64);
                     for failed in changed.failed() {
                         tracing::warn!(
                             code = failed.code(),
