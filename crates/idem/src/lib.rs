@@ -85,6 +85,8 @@ mod brokers;
 pub mod config;
 pub mod dead_letter;
 pub mod delayed_retry;
+#[cfg(doctest)]
+pub mod doc_snippets;
 pub mod duration;
 pub use brokers::embedded;
 #[cfg(feature = "console")]
