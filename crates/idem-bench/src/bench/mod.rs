@@ -25,6 +25,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 use idem_cli::demo::Rng;
 
 mod brokers;
+mod compare;
 mod configured;
 mod console;
 mod failing_key;
@@ -112,6 +113,13 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+    /// Another `idem-bench` binary, built from the commit before a change: both run the chosen legs in turn,
+    /// `--rounds` times, one run each, and each leg is reported as this ÷ other with its spread over the rounds.
+    #[arg(long, value_name = "OTHER_IDEM_BENCH")]
+    compare: Option<PathBuf>,
+    /// Rounds of `--compare`.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
     /// Seed of the event generator.
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -176,10 +184,7 @@ struct Leg {
 
 impl Leg {
     fn new(name: String, mut runs: Vec<f64>) -> Leg {
-        let mut sorted = runs.clone();
-        sorted.sort_by(f64::total_cmp);
-        let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
-        let (min, max) = (sorted.first().copied().unwrap_or(0.0), sorted.last().copied().unwrap_or(0.0));
+        let Spread { median, min, max } = Spread::of(&runs);
         runs.iter_mut().for_each(|r| *r = r.round());
         Leg {
             name,
@@ -193,8 +198,28 @@ impl Leg {
     }
 }
 
+/// The median, the least and the greatest of some figures (all 0 for none).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Spread {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+impl Spread {
+    fn of(values: &[f64]) -> Spread {
+        let mut sorted = values.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        let at = |i: Option<&f64>| i.copied().unwrap_or(0.0);
+        Spread { median: at(sorted.get(sorted.len() / 2)), min: at(sorted.first()), max: at(sorted.last()) }
+    }
+}
+
 /// `idem-bench`: every leg, then the table of rates and ratios.
 pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
+    if let Some(other) = &args.compare {
+        return compare::run(&args, other, args.rounds).await;
+    }
     if args.quick {
         args.events = args.events.min(2_000);
         args.runs = 1;
