@@ -369,7 +369,9 @@ async fn housekeeping_deletes_expired_instances_with_their_claims_and_reports_wa
     let payload: Vec<u8> = sqlx::query_scalar("SELECT payload FROM dead_letters").fetch_one(&db.pool).await.unwrap();
     assert!(String::from_utf8_lossy(&payload).contains("\"ticketId\":\"t3\""), "the message's bytes are kept");
     // The retention boundary: with its history gone, a duplicate is handled as new.
+    // The inbox remembered the deleted instance's id: the claim's foreign key finds it gone, and it is created anew.
     assert_eq!(one(&inbox, order("TicketOpened", "t2", "h1"), &log).await, InboxOutcome::Processed { released: 0 });
+    assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM sequence_instance").await, 2);
 }
 
 #[tokio::test]

@@ -174,6 +174,29 @@ impl<DB: Backend> Engine<DB> {
     /// for the next batch (see [`super::warm`]), which takes it instead of a connection and a `BEGIN`.
     pub(super) async fn transaction<A: Apply<DB>>(&self, items: &[Item], apply: &A) -> Result<Vec<Outcome>, Failure> {
         let started = std::time::Instant::now();
+        let topic = items.first().map_or("", |i| i.message().topic.as_str());
+        self.in_kept_transaction(
+            items.len(),
+            async |tx| self.claim_and_apply(&mut *tx, items, apply).await,
+            // Counted and logged as soon as the transaction ends, before the acknowledgement: a process killed
+            // between the two still leaves each event's line.
+            |outcomes| {
+                self.committed(topic, outcomes);
+                self.log_outcomes(items, outcomes, started);
+            },
+        )
+        .await
+    }
+
+    /// [`Engine::in_transaction`] in the transaction the last one of one message left open ([`super::warm`]), or
+    /// on a connection of the pool; a transaction of `messages` = 1 that commits while the engine runs leaves its
+    /// successor open for the next. (A body that ends with `check_intact: false` commits without a successor.)
+    pub(crate) async fn in_kept_transaction<T>(
+        &self,
+        messages: usize,
+        body: impl AsyncFnOnce(&mut DB::Connection) -> Result<End<T>, Failure>,
+        report: impl FnOnce(&T),
+    ) -> Result<T, Failure> {
         let tx = match self.inner.warm.take() {
             Some(tx) => tx,
             None => {
@@ -181,26 +204,14 @@ impl<DB: Backend> Engine<DB> {
                 sqlx::Transaction::begin(conn, DB::begin_statement().map(Into::into)).await?
             }
         };
-        let topic = items.first().map_or("", |i| i.message().topic.as_str());
-        let (outcomes, next) = self
-            .in_open_transaction(
-                tx,
-                async |tx| self.claim_and_apply(&mut *tx, items, apply).await,
-                // Counted and logged as soon as the transaction ends, before the acknowledgement: a process killed
-                // between the two still leaves each event's line.
-                |outcomes| {
-                    self.committed(topic, outcomes);
-                    self.log_outcomes(items, outcomes, started);
-                },
-            )
-            .await?;
+        let (value, next) = self.in_open_transaction(tx, body, report).await?;
         if let Some(next) = next
-            && items.len() == 1
+            && messages == 1
             && self.inner.running.load(std::sync::atomic::Ordering::SeqCst)
         {
             self.inner.warm.keep(next);
         }
-        Ok(outcomes)
+        Ok(value)
     }
 
     pub(super) async fn claim_and_apply<A: Apply<DB>>(

@@ -66,6 +66,7 @@
 
 pub mod admin;
 mod housekeeping;
+mod instances;
 mod model;
 mod process;
 mod store;
@@ -196,6 +197,8 @@ pub struct SequentialInbox {
     counters: Arc<Counters>,
     /// Separate mode: one permit per two connections of the pool.
     separate_slots: Option<Arc<tokio::sync::Semaphore>>,
+    /// The instance ids resolved so far.
+    instances: Arc<instances::KnownInstances>,
 }
 
 impl SequentialInbox {
@@ -238,6 +241,7 @@ impl SequentialInbox {
             config: Arc::new(config),
             index: Arc::new(index),
             counters: Arc::new(Counters::default()),
+            instances: Arc::default(),
         })
     }
 

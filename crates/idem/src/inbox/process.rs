@@ -147,7 +147,9 @@ impl SequentialInbox {
     }
 
     /// One transaction: claim, lock, decide, handle or buffer, release, close, commit (the engine's transaction
-    /// order). The instance is found or created just before, on the same connection.
+    /// order), in the transaction the last one left open when there is one (as the per-event path does). The
+    /// instance is the one remembered for the context, or found or created just before, in autocommit; an
+    /// instance that is gone ends the attempt with `Again`, and its id is forgotten.
     async fn attempt<H: Handler<Postgres>>(
         &self,
         sequenced: &Sequenced,
@@ -156,20 +158,32 @@ impl SequentialInbox {
     ) -> Result<InboxOutcome, Failure> {
         let tables = &self.engine.config().tables;
         let sequence = &self.config.sequences[sequenced.sequence];
-        let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
-        let instance = store::resolve_instance(
-            &mut conn,
-            tables,
-            &sequence.name,
-            &sequenced.context,
-            sequence.retention.as_secs_f64(),
-        )
-        .await?;
+        let instance = match self.instances.get(sequenced.sequence, &sequenced.context) {
+            Some(id) => id,
+            None => {
+                let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
+                let id = store::resolve_instance(
+                    &mut conn,
+                    tables,
+                    &sequence.name,
+                    &sequenced.context,
+                    sequence.retention.as_secs_f64(),
+                )
+                .await?;
+                self.instances.remember(sequenced.sequence, &sequenced.context, id);
+                id
+            }
+        };
         let body = async |tx: &mut PgConnection| self.decide(tx, sequenced, instance, handler, shutdown).await;
-        self.engine.in_transaction(&mut conn, body, |_| {}).await
+        let result = self.engine.in_kept_transaction(1, body, |_| {}).await;
+        if matches!(result, Err(Failure::Again)) {
+            self.instances.forget(sequenced.sequence, &sequenced.context);
+        }
+        result
     }
 
-    /// The body of [`SequentialInbox::attempt`]: claim first, then everything under the instance lock.
+    /// The body of [`SequentialInbox::attempt`]: the instance lock and the claim in one statement, then everything
+    /// under the lock.
     async fn decide<H: Handler<Postgres>>(
         &self,
         tx: &mut PgConnection,
@@ -185,11 +199,13 @@ impl SequentialInbox {
         let event = &sequenced.event;
         let duplicate =
             End::Commit { value: InboxOutcome::Duplicate, user_writes: false, check_intact: false, idem_wrote: true };
-        if !store::claim(&mut *tx, tables, &type_name, &event.id, instance).await.map_err(claim_failure)? {
-            return Ok(duplicate);
-        }
-        let Some(open) = store::lock_instance(&mut *tx, tables, instance).await? else {
-            return Err(Failure::Again);
+        let open = match store::claim_and_lock(&mut *tx, tables, &type_name, &event.id, instance)
+            .await
+            .map_err(claim_failure)?
+        {
+            store::Claim::Won { open } => open,
+            store::Claim::Duplicate => return Ok(duplicate),
+            store::Claim::Gone => return Err(Failure::Again),
         };
         let state = store::state(&mut *tx, tables, instance, &type_name, &event.id).await?;
         let replaces = match state.existing {
@@ -208,14 +224,18 @@ impl SequentialInbox {
             return Ok(End::Commit {
                 value: InboxOutcome::Buffered,
                 user_writes: false,
-                check_intact: false,
+                check_intact: true,
                 idem_wrote: true,
             });
         }
-        self.handle(handler, event, &mut *tx).await?;
+        // Recorded before the handler runs, so that in the common case (nothing waiting, the instance not
+        // complete) none of idem's statements follows the handler's and its intact check rides on COMMIT; when a
+        // release or a close follows, the handler's work is checked intact before them.
         store::record(&mut *tx, tables, instance, &type_name, &event.id, &event.message, Status::Processed, replaces)
             .await?;
         processed.insert(message_type.qualified.clone());
+        let completes = sequence.types.iter().all(|t| processed.contains(&t.qualified));
+        self.handle(handler, event, &mut *tx, state.waiting > 0 || (open && completes)).await?;
         let released = if state.waiting == 0 {
             0
         } else {
@@ -225,24 +245,27 @@ impl SequentialInbox {
             store::close(&mut *tx, tables, instance).await?;
         }
         let value = if recording { InboxOutcome::Recorded } else { InboxOutcome::Processed { released } };
-        // The handler's writes share this transaction in shared mode (checked intact right after it ran, before
-        // idem's own statements): a COMMIT failing for good is then theirs.
+        // The handler's writes share this transaction in shared mode (checked intact before any of idem's own
+        // statements that follow it): a COMMIT failing for good is then theirs.
         let user_writes = self.config.transactions == InboxTransactions::Shared;
-        Ok(End::Commit { value, user_writes, check_intact: false, idem_wrote: true })
+        // Checked intact in the round trip of COMMIT, which opens the next message's transaction.
+        Ok(End::Commit { value, user_writes, check_intact: true, idem_wrote: true })
     }
 
     /// Runs the handler for the message being delivered, in the claim transaction or in one of its own; in the
-    /// claim transaction, checks that the handler left it able to commit.
+    /// claim transaction, when idem's statements follow (`followed`), checks that the handler left it able to run
+    /// them (else the check comes with `COMMIT`).
     async fn handle<H: Handler<Postgres>>(
         &self,
         handler: &H,
         event: &Event,
         tx: &mut PgConnection,
+        followed: bool,
     ) -> Result<(), Failure> {
         match self.config.transactions {
             InboxTransactions::Shared => {
                 handler.handle(event, tx).await.map_err(Failure::handler)?;
-                check_intact::<Postgres>(tx, true).await
+                if followed { check_intact::<Postgres>(tx, true).await } else { Ok(()) }
             }
             InboxTransactions::Separate => self.handle_separately(handler, event).await,
         }

@@ -50,12 +50,12 @@ pub(crate) async fn resolve_instance(
     context: &str,
     retention_secs: f64,
 ) -> Result<i64, sqlx::Error> {
-    let insert = tables.render(
+    let insert = tables.render_once(
         "INSERT INTO {t}sequence_instance (sequence_name, context_id, retain_until)
          VALUES ($1, $2, now() + make_interval(secs => $3))
          ON CONFLICT (sequence_name, context_id) DO NOTHING RETURNING id",
     );
-    let select = tables.render("SELECT id FROM {t}sequence_instance WHERE sequence_name = $1 AND context_id = $2");
+    let select = tables.render_once("SELECT id FROM {t}sequence_instance WHERE sequence_name = $1 AND context_id = $2");
     loop {
         // Most messages find their instance: a read, no commit. A new statement sees a row another transaction
         // committed meanwhile; none found after a conflict means housekeeping deleted it in between: try again.
@@ -76,21 +76,48 @@ pub(crate) async fn resolve_instance(
     }
 }
 
-/// The claim, first statement of the processing transaction: true when this delivery won it.
-pub(crate) async fn claim(
+/// What the first statement of the processing transaction found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Claim {
+    /// This delivery won the claim, and holds the instance's lock; `open`: the instance is OPEN.
+    Won { open: bool },
+    /// Another delivery of the message claimed it first.
+    Duplicate,
+    /// The instance is gone (deleted by housekeeping after it was resolved).
+    Gone,
+}
+
+/// The first statement of the processing transaction, one round trip: the claim, then, only when this delivery
+/// won it, the instance row's lock (`FOR NO KEY UPDATE`) for the rest of the transaction. The lock reads the
+/// claim's count, so it is taken after the claim, as two statements would: a concurrent delivery waits on the
+/// claim and a duplicate takes no lock. An instance deleted after it was resolved fails the claim's foreign key.
+pub(crate) async fn claim_and_lock(
     conn: &mut PgConnection,
     tables: &Tables,
     message_type: &str,
     idempotence_id: &str,
     instance: i64,
-) -> Result<bool, sqlx::Error> {
-    let sql = tables.render(
-        "INSERT INTO {t}sequential_inbox_idempotence (message_type, idempotence_id, sequence_instance_id, created_at)
-         VALUES ($1, $2, $3, now())
-         ON CONFLICT (message_type, idempotence_id) DO NOTHING",
+) -> Result<Claim, sqlx::Error> {
+    // NO KEY UPDATE: it excludes other consumers of the instance, but not the KEY SHARE lock that another claim's
+    // foreign key takes, so two claimers waiting for the instance cannot deadlock on each other.
+    let sql = tables.render_once(
+        "WITH claimed AS (
+           INSERT INTO {t}sequential_inbox_idempotence
+                  (message_type, idempotence_id, sequence_instance_id, created_at)
+           VALUES ($1, $2, $3, now())
+           ON CONFLICT (message_type, idempotence_id) DO NOTHING RETURNING 1)
+         SELECT c.won, i.status
+           FROM (SELECT count(*) AS won FROM claimed) c
+           LEFT JOIN LATERAL (SELECT status FROM {t}sequence_instance
+                               WHERE id = $3 AND c.won > 0 FOR NO KEY UPDATE) i ON true",
     );
-    let done = sqlx::query(&sql).bind(message_type).bind(idempotence_id).bind(instance).execute(conn).await?;
-    Ok(done.rows_affected() == 1)
+    let (won, status): (i64, Option<String>) =
+        sqlx::query_as(&sql).bind(message_type).bind(idempotence_id).bind(instance).fetch_one(conn).await?;
+    Ok(match status {
+        _ if won == 0 => Claim::Duplicate,
+        None => Claim::Gone,
+        Some(status) => Claim::Won { open: status == "OPEN" },
+    })
 }
 
 /// Deletes a claim, so that a resend of a failed message can claim it again.
@@ -135,7 +162,7 @@ pub(crate) async fn state(
     message_type: &str,
     idempotence_id: &str,
 ) -> Result<InstanceState, sqlx::Error> {
-    let sql = tables.render(
+    let sql = tables.render_once(
         "SELECT e.id, e.status,
                 ARRAY(SELECT DISTINCT message_type FROM {t}sequenced_message
                        WHERE sequence_instance_id = $3 AND status = 'PROCESSED'),
@@ -180,24 +207,25 @@ pub(crate) async fn record(
     status: Status,
     replaces: Option<i64>,
 ) -> Result<(), sqlx::Error> {
-    let processed_at = if status == Status::Processed { "clock_timestamp()" } else { "NULL" };
+    // processed_at: when a PROCESSED row is written, NULL for the others.
     match replaces {
         // The FAILED row a resend retries is updated in place.
         Some(id) => {
-            let sql = tables.render(&format!(
-                r#"UPDATE {{t}}sequenced_message SET status = $2, topic = $3, partition = $4, "offset" = $5, key = $6,
+            let sql = tables.render_once(
+                r#"UPDATE {t}sequenced_message SET status = $2, topic = $3, partition = $4, "offset" = $5, key = $6,
                           payload = $7, headers = $8, error = NULL, force_release = false, received_at = now(),
-                          processed_at = {processed_at}
-                    WHERE id = $1"#
-            ));
+                          processed_at = CASE WHEN $2 = 'PROCESSED' THEN clock_timestamp() END
+                    WHERE id = $1"#,
+            );
             bind_contents(sqlx::query(&sql).bind(id), status, message).execute(conn).await?;
         }
         None => {
-            let sql = tables.render(&format!(
-                r#"INSERT INTO {{t}}sequenced_message (sequence_instance_id, message_type, idempotence_id, status,
+            let sql = tables.render_once(
+                r#"INSERT INTO {t}sequenced_message (sequence_instance_id, message_type, idempotence_id, status,
                           topic, partition, "offset", key, payload, headers, processed_at)
-                   VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, {processed_at})"#
-            ));
+                   VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
+                           CASE WHEN $4 = 'PROCESSED' THEN clock_timestamp() END)"#,
+            );
             let insert = sqlx::query(&sql).bind(instance).bind(message_type).bind(idempotence_id);
             bind_contents(insert, status, message).execute(conn).await?;
         }

@@ -274,6 +274,30 @@ pub(crate) fn judge_existing(stored_digest: Option<&[u8]>, first: String, event:
 pub struct Tables {
     schema: Option<String>,
     prefix: String,
+    rendered: Rendered,
+}
+
+/// The statements of the hot path, rendered once per [`Tables`] (and shared by its clones): a template is a
+/// `&'static str`, so its address names it for as long as the program runs.
+#[derive(Clone, Default)]
+struct Rendered(std::sync::Arc<std::sync::Mutex<std::collections::HashMap<Template, std::sync::Arc<str>>>>);
+
+/// A `&'static str` template by its address and length.
+type Template = (usize, usize);
+
+/// A cache, not part of the value: two `Tables` with the same names are equal whatever each has rendered.
+impl PartialEq for Rendered {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for Rendered {}
+
+impl std::fmt::Debug for Rendered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Rendered")
+    }
 }
 
 impl Tables {
@@ -292,7 +316,7 @@ impl Tables {
                 "table_prefix `{prefix}` is not a plain SQL identifier: use lower-case letters, digits and _ (e.g. `billing_`)"
             )));
         }
-        Ok(Tables { schema: schema.map(str::to_owned), prefix: prefix.to_owned() })
+        Ok(Tables { schema: schema.map(str::to_owned), prefix: prefix.to_owned(), rendered: Rendered::default() })
     }
 
     /// The table prefix (possibly empty).
@@ -320,6 +344,14 @@ impl Tables {
             None => self.prefix.clone(),
         };
         sql.replace("{t}", &qualified).replace("{p}", &self.prefix)
+    }
+
+    /// [`Tables::render`] of a statement the hot path runs for every message or batch: rendered the first time,
+    /// then taken from the cache (no search and no allocation per use).
+    pub(crate) fn render_once(&self, sql: &'static str) -> std::sync::Arc<str> {
+        let key = (sql.as_ptr() as usize, sql.len());
+        let mut cache = self.rendered.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        std::sync::Arc::clone(cache.entry(key).or_insert_with(|| self.render(sql).into()))
     }
 }
 
@@ -510,6 +542,17 @@ pub async fn stats<DB: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hot_statement_is_rendered_once_per_tables_and_shared_by_its_clones() {
+        let t = Tables::new(Some("billing"), "svc_").unwrap();
+        let first = t.render_once("SELECT 1 FROM {t}x");
+        assert_eq!(&*first, "SELECT 1 FROM billing.svc_x");
+        assert!(std::sync::Arc::ptr_eq(&first, &t.clone().render_once("SELECT 1 FROM {t}x")), "taken from the cache");
+        let other = Tables::new(None, "o_").unwrap();
+        assert_eq!(&*other.render_once("SELECT 1 FROM {t}x"), "SELECT 1 FROM o_x", "each Tables renders its own");
+        assert_eq!(t, Tables::new(Some("billing"), "svc_").unwrap(), "what was rendered is no part of the value");
+    }
 
     #[test]
     fn tables_validate_and_render() {

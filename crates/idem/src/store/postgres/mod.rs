@@ -98,13 +98,13 @@ impl Store for Postgres {
         };
         let sql = match partitioning {
             // One event (batch size 1): a plain VALUES row costs the server less than unnesting arrays.
-            None if events.len() == 1 => tables.render(
+            None if events.len() == 1 => tables.render_once(
                 r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset", payload_digest)
                    VALUES ($1, $2, $3, $4, $5, $6)
                    ON CONFLICT (consumer_group, event_id) DO NOTHING
                    RETURNING event_id"#,
             ),
-            None => tables.render(
+            None => tables.render_once(
                 r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset", payload_digest)
                    SELECT $1, * FROM UNNEST($2::text[], $3::text[], $4::int[], $5::bigint[], $6::bytea[])
                    ON CONFLICT (consumer_group, event_id) DO NOTHING
@@ -115,7 +115,7 @@ impl Store for Postgres {
                 // The primary key catches duplicates within the current partition; the NOT EXISTS looks into the
                 // neighbouring partitions within the window (pruned to none away from a boundary): the one before,
                 // and the one after, where a delivery that began after midnight but committed first can be.
-                tables.render(
+                tables.render_once(
                     r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset", payload_digest)
                        SELECT $1, u.* FROM UNNEST($2::text[], $3::text[], $4::int[], $5::bigint[], $6::bytea[])
                                           AS u(event_id, topic, partition, "offset", payload_digest)
