@@ -60,7 +60,9 @@ pub(crate) enum End<T> {
         /// User code wrote through the transaction: a `COMMIT` that fails for good is its fault (a deferred
         /// constraint), not idem's.
         user_writes: bool,
-        /// User code ran last: check the transaction is still intact before `COMMIT` (see [`check_intact`]).
+        /// Commit through [`crate::store::Store::commit_intact`]: the intact check (see [`check_intact`]) in the
+        /// round trip of `COMMIT`, which also opens the next transaction. Wanted when user code ran last, and by a
+        /// body that wants its successor kept.
         check_intact: bool,
         /// idem wrote in the transaction (markers): one without a transaction id is not idem's any more.
         idem_wrote: bool,
