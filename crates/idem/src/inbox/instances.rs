@@ -14,38 +14,42 @@ const REMEMBERED: usize = 100_000;
 /// Instance ids by sequence (its index in the configuration), then by context id.
 #[derive(Default)]
 pub(crate) struct KnownInstances {
-    ids: Mutex<HashMap<usize, HashMap<String, i64>>>,
-    count: std::sync::atomic::AtomicUsize,
+    ids: Mutex<Ids>,
+}
+
+/// The map, and how many ids it holds over all sequences.
+#[derive(Default)]
+struct Ids {
+    by_sequence: HashMap<usize, HashMap<String, i64>>,
+    len: usize,
 }
 
 impl KnownInstances {
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<usize, HashMap<String, i64>>> {
+    fn ids(&self) -> std::sync::MutexGuard<'_, Ids> {
         self.ids.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The id remembered for `context` of `sequence`.
     pub(crate) fn get(&self, sequence: usize, context: &str) -> Option<i64> {
-        self.map().get(&sequence)?.get(context).copied()
+        self.ids().by_sequence.get(&sequence)?.get(context).copied()
     }
 
     /// Remembers `id` as the instance of `context` of `sequence`.
     pub(crate) fn remember(&self, sequence: usize, context: &str, id: i64) {
-        use std::sync::atomic::Ordering;
-        let mut map = self.map();
-        if self.count.load(Ordering::Relaxed) >= REMEMBERED {
-            map.clear();
-            self.count.store(0, Ordering::Relaxed);
+        let mut ids = self.ids();
+        if ids.len >= REMEMBERED {
+            *ids = Ids::default();
         }
-        if map.entry(sequence).or_default().insert(context.to_owned(), id).is_none() {
-            self.count.fetch_add(1, Ordering::Relaxed);
+        if ids.by_sequence.entry(sequence).or_default().insert(context.to_owned(), id).is_none() {
+            ids.len += 1;
         }
     }
 
     /// Forgets the id of `context` of `sequence` (its instance was not found where the id said).
     pub(crate) fn forget(&self, sequence: usize, context: &str) {
-        use std::sync::atomic::Ordering;
-        if self.map().get_mut(&sequence).and_then(|ids| ids.remove(context)).is_some() {
-            self.count.fetch_sub(1, Ordering::Relaxed);
+        let mut ids = self.ids();
+        if ids.by_sequence.get_mut(&sequence).and_then(|of| of.remove(context)).is_some() {
+            ids.len -= 1;
         }
     }
 }
@@ -75,6 +79,6 @@ mod tests {
         }
         assert_eq!(known.get(0, &REMEMBERED.to_string()), Some(REMEMBERED as i64));
         assert_eq!(known.get(0, "0"), None, "the map was dropped when it was full");
-        assert!(known.count.load(std::sync::atomic::Ordering::Relaxed) <= REMEMBERED);
+        assert!(known.ids().len <= REMEMBERED);
     }
 }

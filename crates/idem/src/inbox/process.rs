@@ -182,8 +182,8 @@ impl SequentialInbox {
         result
     }
 
-    /// The body of [`SequentialInbox::attempt`]: the instance lock and the claim in one statement, then everything
-    /// under the lock.
+    /// The body of [`SequentialInbox::attempt`]: the claim and, when won, the instance lock in one statement, then
+    /// everything under the lock.
     async fn decide<H: Handler<Postgres>>(
         &self,
         tx: &mut PgConnection,
