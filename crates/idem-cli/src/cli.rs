@@ -103,9 +103,13 @@ enum Command {
         /// Only this consumer group's markers (default: every group's).
         #[arg(long)]
         group: Option<String>,
-        /// Rows per DELETE statement.
+        /// Rows per DELETE statement, at most.
         #[arg(long, default_value_t = 10_000)]
         batch_size: u32,
+        /// How long one DELETE should take, in milliseconds: each statement's rows follow from the last one's
+        /// speed (the first deletes at most 1,000). 0: every statement deletes --batch-size rows.
+        #[arg(long, default_value_t = 100)]
+        statement_target_ms: u64,
         /// Pause between statements, in milliseconds.
         #[arg(long, default_value_t = 200)]
         pause_ms: u64,
@@ -227,6 +231,7 @@ pub fn main() -> ExitCode {
                     force,
                     group,
                     batch_size,
+                    statement_target_ms,
                     pause_ms,
                     dry_run,
                     json,
@@ -238,6 +243,8 @@ pub fn main() -> ExitCode {
                         idem::duration::parse(&archive_expiry).map_err(|e| crate::flag_error("--archive-expiry", e))?;
                     let pruning = idem::Pruning {
                         batch_size,
+                        statement_target: (statement_target_ms > 0)
+                            .then(|| std::time::Duration::from_millis(statement_target_ms)),
                         pause: std::time::Duration::from_millis(pause_ms),
                         ..idem::Pruning::default()
                     };

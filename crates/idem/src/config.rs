@@ -148,8 +148,14 @@ pub struct Pruning {
     pub retention: Option<Duration>,
     /// How often the consumer's background pruner runs (it runs whenever a retention is set). Default 5 min.
     pub interval: Duration,
-    /// Rows deleted per statement. Default 10,000.
+    /// Rows deleted per statement, at most. Default 10,000.
     pub batch_size: u32,
+    /// How long one statement should take: each statement's size follows from the last one's rows per second,
+    /// so that no statement holds its rows' locks and the server's write path much longer than this while a
+    /// consumer runs beside it. The first deletes at most 1,000 rows, a size at most doubles from one statement to
+    /// the next, and it stays within 100 (or `batch_size`, if lower) and `batch_size`. Default 100 ms; `None`:
+    /// every statement deletes up to `batch_size`.
+    pub statement_target: Option<Duration>,
     /// Pause between two statements, so the consumer keeps the table. Default 200 ms.
     pub pause: Duration,
     /// Discarded dead letters stay in the archive this long, then the background pruner deletes them
@@ -163,6 +169,7 @@ impl Default for Pruning {
             retention: None,
             interval: Duration::from_secs(300),
             batch_size: 10_000,
+            statement_target: Some(Duration::from_millis(100)),
             pause: Duration::from_millis(200),
             archive_expiry: Duration::from_secs(30 * 86_400),
         }

@@ -137,7 +137,7 @@ pub use handler::{BatchHandler, Handler};
 pub use key::{KeyExtractor, MissingKey};
 pub use kill_switch::KillSwitch;
 pub use message::{AckHandle, Event, Handled, Message};
-pub use source::{Acknowledgement, PausePartitions, Publisher, Received, Source, SourceError};
+pub use source::{Acknowledgement, BoxedSource, PausePartitions, Publisher, Received, Source, SourceError};
 /// The sqlx version idem is built with; handlers use its `PgConnection`, `MySqlConnection` and `SqliteConnection`.
 pub use sqlx;
 pub use sqlx::{MySql, Postgres, Sqlite};

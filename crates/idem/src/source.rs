@@ -163,6 +163,76 @@ pub trait Source: Send + Sync + 'static {
     fn pausing(&self) -> Option<&dyn PausePartitions> {
         None
     }
+
+    /// The broker's name in traces: [`Source::SYSTEM`], unless the source stands for another (a
+    /// [`BoxedSource`] gives its inner source's).
+    fn system(&self) -> &'static str {
+        Self::SYSTEM
+    }
+}
+
+/// Any [`Source`] behind one type. A program that chooses its broker at run time (from a configuration file)
+/// hands the engine a `BoxedSource`, so the engine's run loop is compiled once, not once per broker; each
+/// `recv` and `ack` costs one allocation more, nothing else changes (the contract is the inner source's).
+pub struct BoxedSource(Box<dyn ErasedSource>);
+
+impl BoxedSource {
+    /// Boxes `source`.
+    pub fn new(source: impl Source) -> Self {
+        BoxedSource(Box::new(source))
+    }
+}
+
+impl std::fmt::Debug for BoxedSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("BoxedSource").field(&self.0.system()).finish()
+    }
+}
+
+type BoxFuture<'a, T> = std::pin::Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// [`Source`] as an object: its futures boxed.
+trait ErasedSource: Send + Sync + 'static {
+    fn recv(&self) -> BoxFuture<'_, Result<Option<Received>, SourceError>>;
+    fn ack<'a>(&'a self, ack: &'a Acknowledgement) -> BoxFuture<'a, Result<(), SourceError>>;
+    fn pausing(&self) -> Option<&dyn PausePartitions>;
+    fn system(&self) -> &'static str;
+}
+
+impl<S: Source> ErasedSource for S {
+    fn recv(&self) -> BoxFuture<'_, Result<Option<Received>, SourceError>> {
+        Box::pin(Source::recv(self))
+    }
+
+    fn ack<'a>(&'a self, ack: &'a Acknowledgement) -> BoxFuture<'a, Result<(), SourceError>> {
+        Box::pin(Source::ack(self, ack))
+    }
+
+    fn pausing(&self) -> Option<&dyn PausePartitions> {
+        Source::pausing(self)
+    }
+
+    fn system(&self) -> &'static str {
+        Source::system(self)
+    }
+}
+
+impl Source for BoxedSource {
+    async fn recv(&self) -> Result<Option<Received>, SourceError> {
+        self.0.recv().await
+    }
+
+    async fn ack(&self, ack: &Acknowledgement) -> Result<(), SourceError> {
+        self.0.ack(ack).await
+    }
+
+    fn pausing(&self) -> Option<&dyn PausePartitions> {
+        self.0.pausing()
+    }
+
+    fn system(&self) -> &'static str {
+        self.0.system()
+    }
 }
 
 /// A source that can stop fetching some of its partitions while the rest flow (Kafka's pause and resume). Both

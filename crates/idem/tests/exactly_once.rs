@@ -38,6 +38,44 @@ where
 }
 on_every_store!(duplicate_does_not_double_apply);
 
+/// A handler that ends idem's transaction and writes again in one of its own (`ROLLBACK; BEGIN; INSERT`) cannot
+/// commit that write without the marker: the check before `COMMIT` finds a transaction that is not idem's (on
+/// PostgreSQL it lacks the claim's mark, on MySQL and SQLite idem's savepoint) and rolls it back. The message is
+/// dead-lettered with the reason and its effect is absent, alone or in a batch; a later delivery finds the dead
+/// letter's marker, never applying it a second time.
+async fn a_handler_that_ends_the_transaction_and_writes_in_its_own_commits_nothing<DB: Backend>(pool: Pool<DB>)
+where
+    Pool<DB>: TestPool,
+    Ledger: Handler<DB>,
+{
+    setup(&pool).await;
+    let engine = Engine::new(pool.clone(), config(10)).unwrap();
+    let ledger = Ledger::default();
+    let restart = r#""restart":true"#;
+    let mut outcomes = Vec::new();
+    for (offset, (id, extra)) in [("a", ""), ("bad1", restart), ("c", "")].into_iter().enumerate() {
+        outcomes.extend(engine.process(vec![payment(0, offset as i64, id, 1, extra)], &ledger).await.unwrap());
+    }
+    assert_eq!(outcomes, [Outcome::Processed, Outcome::DeadLettered, Outcome::Processed]);
+    let batch = vec![payment(0, 3, "d", 1, ""), payment(0, 4, "bad2", 1, restart), payment(0, 5, "e", 1, "")];
+    assert_eq!(
+        engine.process(batch, &ledger).await.unwrap(),
+        [Outcome::Processed, Outcome::DeadLettered, Outcome::Processed]
+    );
+    for id in ["bad1", "bad2"] {
+        assert_eq!(ledger_rows(&pool, id).await, 0, "{id}: the handler's own transaction was not committed");
+    }
+    for id in ["a", "c", "d", "e"] {
+        assert_eq!(ledger_rows(&pool, id).await, 1, "{id}");
+    }
+    let reason: String = pool.scalar_text("SELECT error FROM dead_letters WHERE event_id = 'bad1'").await;
+    assert!(reason.contains("ended the transaction"), "{reason}");
+    let again = engine.process(vec![payment(0, 1, "bad1", 1, restart)], &ledger).await.unwrap();
+    assert_eq!(again, [Outcome::Duplicate]);
+    assert_eq!(ledger_rows(&pool, "bad1").await, 0);
+}
+on_every_store!(a_handler_that_ends_the_transaction_and_writes_in_its_own_commits_nothing);
+
 /// A retryable failure rolls the marker back with the effect: the retry applies the event exactly once.
 /// If the marker were committed apart from the effect, the retry would see a duplicate and the credit would
 /// be lost.

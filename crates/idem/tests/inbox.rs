@@ -59,6 +59,9 @@ struct Log {
     swallow: Mutex<HashSet<String>>,
     /// Event ids whose handling ends the transaction itself (`ROLLBACK` through `tx`).
     end: Mutex<HashSet<String>>,
+    /// Event ids whose handling ends the transaction and writes again in one of its own (`ROLLBACK; BEGIN`
+    /// through `tx`).
+    restart: Mutex<HashSet<String>>,
 }
 
 impl Handler<sqlx::Postgres> for Log {
@@ -78,6 +81,14 @@ impl Handler<sqlx::Postgres> for Log {
         }
         if self.end.lock().unwrap().contains(&event.id) {
             sqlx::query("ROLLBACK").execute(&mut *tx).await?;
+        }
+        if self.restart.lock().unwrap().contains(&event.id) {
+            sqlx::query("ROLLBACK").execute(&mut *tx).await?;
+            sqlx::query("BEGIN").execute(&mut *tx).await?;
+            sqlx::query("INSERT INTO handled (event_id, message_type) VALUES ($1, 'again')")
+                .bind(&event.id)
+                .execute(&mut *tx)
+                .await?;
         }
         if self.flaky.lock().unwrap().remove(&event.id) {
             return Err(HandlerError::retryable("flaky"));
@@ -540,4 +551,38 @@ async fn a_released_handler_that_ends_the_transaction_fails_the_whole_attempt() 
         sqlx::query_scalar("SELECT status FROM sequenced_message ORDER BY id").fetch_all(&db.pool).await.unwrap();
     assert_eq!(states, ["WAITING"], "the released message is neither FAILED nor PROCESSED");
     assert!(handled(&db.pool).await.is_empty(), "nothing of the attempt was kept");
+}
+
+/// A handler that ends the claim's transaction and writes again in one of its own (`ROLLBACK; BEGIN`) cannot
+/// commit those writes as if they were the message's: its transaction lacks the claim's mark, the check before
+/// `COMMIT` fails it, and the message is dead-lettered with the reason; a later delivery that behaves is handled
+/// once. Both where the check rides on `COMMIT` and where it runs before a release.
+#[tokio::test]
+async fn a_handler_that_rolls_back_begins_and_writes_commits_nothing() {
+    let db = pg().await;
+    setup(&db.pool).await;
+    let inbox = inbox_on(&db.pool, SEQUENCES, InboxTransactions::Shared).await;
+    let log = Log::default();
+    log.restart.lock().unwrap().insert("y1".into());
+    assert_eq!(one(&inbox, order("OrderCreated", "o22", "y1"), &log).await, InboxOutcome::DeadLettered);
+    assert!(handled(&db.pool).await.is_empty(), "the handler's own transaction was not committed");
+    let reason: String = sqlx::query_scalar("SELECT error FROM dead_letters").fetch_one(&db.pool).await.unwrap();
+    assert!(reason.contains("ended the transaction"), "{reason}");
+    log.restart.lock().unwrap().clear();
+    assert_eq!(one(&inbox, order("OrderCreated", "o22", "y1"), &log).await, InboxOutcome::Processed { released: 0 });
+    assert_eq!(handled(&db.pool).await.len(), 1);
+
+    // The check before a release: a WAITING message is there to release after the handler.
+    assert_eq!(one(&inbox, order("OrderValidated/stock", "o23", "y3"), &log).await, InboxOutcome::Buffered);
+    log.restart.lock().unwrap().insert("y2".into());
+    assert_eq!(one(&inbox, order("OrderCreated", "o23", "y2"), &log).await, InboxOutcome::DeadLettered);
+    assert_eq!(handled(&db.pool).await.len(), 1, "nothing of the attempt was kept");
+    let states: Vec<String> = sqlx::query_scalar(
+        "SELECT m.status FROM sequenced_message m JOIN sequence_instance i ON i.id = m.sequence_instance_id
+          WHERE i.context_id = 'o23'",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(states, ["WAITING"]);
 }

@@ -33,7 +33,7 @@ struct RawPayment {
 }
 
 /// One UPDATE per event.
-struct CreditEach;
+pub(super) struct CreditEach;
 
 impl Handler<sqlx::Postgres> for CreditEach {
     async fn handle(&self, event: &Event, tx: &mut PgConnection) -> Result<(), HandlerError> {
@@ -93,7 +93,7 @@ impl Source for MemorySource {
 }
 
 /// The workload as messages over `partitions` partitions (by account), interleaved as a broker would.
-fn messages(work: &Workload, partitions: i32) -> VecDeque<Message> {
+pub(super) fn messages(work: &Workload, partitions: i32) -> VecDeque<Message> {
     let mut offsets = vec![0i64; partitions as usize];
     work.deliveries
         .iter()

@@ -29,6 +29,7 @@ mod compare;
 mod configured;
 mod console;
 mod failing_key;
+mod grown;
 mod http;
 mod idem_legs;
 mod kafka;
@@ -107,6 +108,10 @@ pub struct BenchArgs {
     /// Only the legs whose name contains one of these (semicolon-separated), e.g. `pgbench;per-event`.
     #[arg(long)]
     only: Option<String>,
+    /// Markers already in the table for the `grown:` legs (per-event and batch handler, plain and partitioned
+    /// layouts, each against the same leg on an empty table).
+    #[arg(long, default_value_t = 10_000_000)]
+    grown_markers: u64,
     /// Dead letters and markers loaded for the console's leg (each), whose list pages are timed.
     #[arg(long, default_value_t = 1_000_000)]
     console_rows: i64,
@@ -226,6 +231,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
         args.kafka_events = args.kafka_events.min(2_000);
         args.broker_events = args.broker_events.min(2_000);
         args.console_rows = args.console_rows.min(2_000);
+        args.grown_markers = args.grown_markers.min(20_000);
     }
     if args.runs == 0 || args.events == 0 || args.accounts <= 0 {
         bail!("--runs, --events and --accounts must be above zero");
@@ -342,6 +348,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
             legs.push(Leg::new(name, runs));
         }
     }
+    legs.extend(grown::run(&pool, &args, &work, &wanted, &progress).await?);
     let name = format!("idem end to end from Kafka, batched 1000, 4 partitions ({} events)", args.kafka_events);
     if wanted("kafka") {
         match &args.kafka {
@@ -367,7 +374,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
         pages = console::run(&pool, args.console_rows, args.runs).await?;
     }
 
-    let ratios = ratios(&legs);
+    let ratios = ratios(&legs, args.grown_markers);
     if args.json {
         println!(
             "{}",

@@ -3,7 +3,7 @@
 use super::Leg;
 
 /// The ratios of the targets, from the medians.
-pub(super) fn ratios(legs: &[Leg]) -> Vec<(String, f64)> {
+pub(super) fn ratios(legs: &[Leg], grown_markers: u64) -> Vec<(String, f64)> {
     let median = |name: &str| legs.iter().find(|l| l.name == name).map(|l| l.median).filter(|m| *m > 0.0);
     let mut out = Vec::new();
     let mut ratio = |label: String, a: Option<f64>, b: Option<f64>| {
@@ -59,6 +59,9 @@ pub(super) fn ratios(legs: &[Leg]) -> Vec<(String, f64)> {
             batch_handler,
             median(&format!("batched SQL limit {batch}")),
         );
+    }
+    for (label, grown, empty) in super::grown::pairs(grown_markers) {
+        ratio(label, median(&grown), median(&empty));
     }
     ratio(
         "MySQL: idem per-event ÷ raw SQL loop per-event".into(),

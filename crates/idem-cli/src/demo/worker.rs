@@ -215,9 +215,10 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Runs the demo's handler on `source` to its end (or until a signal).
-async fn consume<S: idem::Source>(
-    source: S,
+/// Runs the demo's handler on `source` to its end (or until a signal). The source is boxed: the engine is compiled
+/// once per database, not once per broker and database.
+async fn consume(
+    source: impl idem::Source,
     args: &WorkerArgs,
     config: Config,
     db: Db,
@@ -225,6 +226,7 @@ async fn consume<S: idem::Source>(
     signals: Signals,
 ) -> anyhow::Result<ExitCode> {
     let faults = faults(args.fault.as_deref())?;
+    let source = idem::BoxedSource::new(source);
     with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults, signals).await?);
     Ok(ExitCode::SUCCESS)
 }
@@ -347,9 +349,9 @@ pub(crate) fn faults(spec: Option<&str>) -> anyhow::Result<Option<idem::fault::F
     Ok(spec.map(idem::fault::Faults::parse).transpose()?)
 }
 
-async fn consume_with<DB: Backend, S: idem::Source, H: Handler<DB>>(
+async fn consume_with<DB: Backend, H: Handler<DB>>(
     pool: sqlx::Pool<DB>,
-    source: S,
+    source: idem::BoxedSource,
     config: Config,
     handler: H,
     metrics_addr: Option<std::net::SocketAddr>,

@@ -24,8 +24,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context;
-use idem::Engine;
 use idem::embedded::{ConsumerOptions, EmbeddedLog};
+use idem::{BoxedSource, Engine};
 use tokio::sync::watch;
 
 use crate::commands::BrokerTarget;
@@ -317,36 +317,36 @@ async fn start<DB: ServiceDb>(
             let topics: Vec<&str> = topics.iter().map(String::as_str).collect();
             let options = ConsumerOptions { stop_at_end: exit_at_end, ..ConsumerOptions::default() };
             let source = log.consumer(&config.group, &topics, options)?;
-            Ok(launch(engine, consumer, source, handler, shutdown))
+            Ok(launch(engine, consumer, BoxedSource::new(source), handler, shutdown))
         }
         SourcePlan::Kafka { .. } => {
             let kafka = broker::kafka(&consumer.source, exit_at_end)?;
             let source = idem::kafka::KafkaSource::connect(&kafka, config).await?;
-            Ok(launch(engine, consumer, source, handler, shutdown))
+            Ok(launch(engine, consumer, BoxedSource::new(source), handler, shutdown))
         }
         #[cfg(feature = "nats")]
         SourcePlan::Nats { .. } => {
             let nats = broker::nats(&consumer.source, exit_at_end)?;
             let source = idem::nats::NatsSource::connect(&nats, config).await?;
-            Ok(launch(engine, consumer, source, handler, shutdown))
+            Ok(launch(engine, consumer, BoxedSource::new(source), handler, shutdown))
         }
         #[cfg(feature = "rabbitmq")]
         SourcePlan::Rabbit { .. } => {
             let rabbit = broker::rabbitmq(&consumer.source, exit_at_end)?;
             let source = idem::rabbitmq::RabbitSource::connect(&rabbit, config).await?;
-            Ok(launch(engine, consumer, source, handler, shutdown))
+            Ok(launch(engine, consumer, BoxedSource::new(source), handler, shutdown))
         }
         #[cfg(feature = "sqs")]
         SourcePlan::Sqs { .. } => {
             let sqs = broker::sqs(&consumer.source, exit_at_end)?;
             let source = idem::sqs::SqsSource::connect(&sqs, config).await?;
-            Ok(launch(engine, consumer, source, handler, shutdown))
+            Ok(launch(engine, consumer, BoxedSource::new(source), handler, shutdown))
         }
         #[cfg(feature = "pubsub")]
         SourcePlan::PubSub { .. } => {
             let pubsub = broker::pubsub(&consumer.source, exit_at_end)?;
             let source = idem::pubsub::PubSubSource::connect(&pubsub, config).await?;
-            Ok(launch(engine, consumer, source, handler, shutdown))
+            Ok(launch(engine, consumer, BoxedSource::new(source), handler, shutdown))
         }
         SourcePlan::Http { listen, path, limits, signature } => {
             if exit_at_end {
@@ -371,11 +371,12 @@ async fn start<DB: ServiceDb>(
     }
 }
 
-/// The consumer's run on `source`: per event, per batch (the bulk form) or through the Sequential Inbox.
-fn launch<DB: ServiceDb, S: idem::Source + 'static>(
+/// The consumer's run on `source`: per event, per batch (the bulk form) or through the Sequential Inbox. The
+/// source is boxed, so that each run is compiled once per database rather than once per broker and database.
+fn launch<DB: ServiceDb>(
     engine: Engine<DB>,
     consumer: &ConsumerPlan,
-    source: S,
+    source: BoxedSource,
     handler: Configured<DB>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Running {

@@ -54,7 +54,7 @@ impl<DB: Backend> Engine<DB> {
     ) -> Result<StatsSnapshot, Error> {
         crate::telemetry::describe();
         crate::telemetry::zero_counters(&self.inner.config.group);
-        let _ = self.inner.system.set(S::SYSTEM);
+        let _ = self.inner.system.set(source.system());
         metrics::gauge!("idem_consumer_paused", "consumer_group" => self.inner.config.group.clone()).set(0.0);
         let mut shutdown = std::pin::pin!(shutdown);
         // The layout check is the run's first statement: a database that is away is waited for, as later.

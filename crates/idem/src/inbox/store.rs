@@ -91,6 +91,8 @@ pub(crate) enum Claim {
 /// won it, the instance row's lock (`FOR NO KEY UPDATE`) for the rest of the transaction. The lock reads the
 /// claim's count, so it is taken after the claim, as two statements would: a concurrent delivery waits on the
 /// claim and a duplicate takes no lock. An instance deleted after it was resolved fails the claim's foreign key.
+/// A won claim also marks the transaction as idem's (`idem.claimed`), which the intact check before `COMMIT`
+/// looks for.
 pub(crate) async fn claim_and_lock(
     conn: &mut PgConnection,
     tables: &Tables,
@@ -106,12 +108,12 @@ pub(crate) async fn claim_and_lock(
                   (message_type, idempotence_id, sequence_instance_id, created_at)
            VALUES ($1, $2, $3, now())
            ON CONFLICT (message_type, idempotence_id) DO NOTHING RETURNING 1)
-         SELECT c.won, i.status
+         SELECT c.won, i.status, CASE WHEN c.won > 0 THEN set_config('idem.claimed', '1', true) END
            FROM (SELECT count(*) AS won FROM claimed) c
            LEFT JOIN LATERAL (SELECT status FROM {t}sequence_instance
                                WHERE id = $3 AND c.won > 0 FOR NO KEY UPDATE) i ON true",
     );
-    let (won, status): (i64, Option<String>) =
+    let (won, status, _mark): (i64, Option<String>, Option<String>) =
         sqlx::query_as(&sql).bind(message_type).bind(idempotence_id).bind(instance).fetch_one(conn).await?;
     Ok(match status {
         _ if won == 0 => Claim::Duplicate,
@@ -141,9 +143,13 @@ pub(crate) async fn lock_instance(
 ) -> Result<Option<bool>, sqlx::Error> {
     // NO KEY UPDATE: it excludes other consumers of the instance, but not the KEY SHARE lock that the claim's
     // foreign key takes, so two claimers waiting for the instance cannot deadlock on each other.
-    let sql = tables.render("SELECT status FROM {t}sequence_instance WHERE id = $1 FOR NO KEY UPDATE");
-    let status: Option<String> = sqlx::query_scalar(&sql).bind(instance).fetch_optional(conn).await?;
-    Ok(status.map(|s| s == "OPEN"))
+    // The lock is idem's hold on the instance for this transaction: it marks the transaction as idem's
+    // (`idem.claimed`), as a claim does, for the intact check of the handlers that run under it.
+    let sql = tables.render_once(
+        "SELECT status, set_config('idem.claimed', '1', true) FROM {t}sequence_instance WHERE id = $1 FOR NO KEY UPDATE",
+    );
+    let status: Option<(String, String)> = sqlx::query_as(&sql).bind(instance).fetch_optional(conn).await?;
+    Ok(status.map(|(s, _)| s == "OPEN"))
 }
 
 /// What the decision needs once the instance is locked, read in one statement (so with a snapshot taken after

@@ -541,4 +541,8 @@ impl<S: Source> Source for Watched<S> {
     fn pausing(&self) -> Option<&dyn PausePartitions> {
         self.inner.pausing()
     }
+
+    fn system(&self) -> &'static str {
+        self.inner.system()
+    }
 }

@@ -249,6 +249,9 @@ struct Payment {
     /// Fail permanently the first time this handler sees the id (after sleeping), succeed afterwards.
     #[serde(default)]
     fail_first: bool,
+    /// End idem's transaction and write the entry again in one of its own (`ROLLBACK`, `BEGIN`, the insert).
+    #[serde(default)]
+    restart: bool,
 }
 
 /// The test handler: writes a ledger entry, then does what the payload asks.
@@ -274,6 +277,11 @@ macro_rules! ledger_handler {
                 self.calls.fetch_add(1, Ordering::SeqCst);
                 let p: Payment = event.json()?;
                 sqlx::query($insert).bind(&event.id).bind(p.amount).execute(&mut *tx).await?;
+                if p.restart {
+                    sqlx::query("ROLLBACK").execute(&mut *tx).await?;
+                    sqlx::query("BEGIN").execute(&mut *tx).await?;
+                    sqlx::query($insert).bind(&event.id).bind(p.amount).execute(&mut *tx).await?;
+                }
                 let blocked: i64 = sqlx::query_scalar($blocked).bind(&event.id).fetch_one(&mut *tx).await?;
                 if blocked > 0 {
                     return Err(HandlerError::permanent(format!("event {} is blocked", event.id)));

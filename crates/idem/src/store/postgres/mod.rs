@@ -102,13 +102,13 @@ impl Store for Postgres {
                 r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset", payload_digest)
                    VALUES ($1, $2, $3, $4, $5, $6)
                    ON CONFLICT (consumer_group, event_id) DO NOTHING
-                   RETURNING event_id"#,
+                   RETURNING event_id, set_config('idem.claimed', '1', true)"#,
             ),
             None => tables.render_once(
                 r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset", payload_digest)
                    SELECT $1, * FROM UNNEST($2::text[], $3::text[], $4::int[], $5::bigint[], $6::bytea[])
                    ON CONFLICT (consumer_group, event_id) DO NOTHING
-                   RETURNING event_id"#,
+                   RETURNING event_id, set_config('idem.claimed', '1', true)"#,
             ),
             Some((period, window)) => {
                 lock_near_boundary(&mut *conn, group, &ids, period, window).await?;
@@ -127,7 +127,7 @@ impl Store for Postgres {
                                  AND p.processed_on <> date_trunc($7, now() AT TIME ZONE 'UTC')::date
                                  AND p.processed_at > now() - make_interval(secs => $8))
                        ON CONFLICT DO NOTHING
-                       RETURNING event_id"#,
+                       RETURNING event_id, set_config('idem.claimed', '1', true)"#,
                 )
             }
         };
@@ -185,34 +185,39 @@ impl Store for Postgres {
     async fn transaction_intact(conn: &mut PgConnection, idem_wrote: bool) -> Result<bool, sqlx::Error> {
         // A savepoint can only be taken in an open transaction block (25P01 once user code ended it with COMMIT or
         // ROLLBACK) that is not aborted (25P02); it holds when the transaction wrote nothing (the natural-key
-        // mode's duplicate). Where idem wrote, the transaction must also still have an id: one the handler began
-        // after ending idem's has none until it writes.
+        // mode's duplicate). Where idem wrote, the transaction must also still carry the claim's mark: one the
+        // handler began after ending idem's does not, whatever it wrote.
         let rows = match sqlx::Executor::fetch_all(conn, INTACT).await {
             Ok(rows) => rows,
             Err(error) if sql_state(&error) == Some("25P01") => return Ok(false),
             Err(error) => return Err(error),
         };
-        Ok(!idem_wrote || has_transaction_id(&rows))
+        Ok(!idem_wrote || claimed_here(&rows))
     }
 
     /// The check, `COMMIT` and a `BEGIN` go out as one simple query: one round trip where a check and a
     /// `COMMIT` would take two, and the next transaction's `BEGIN` a third. PostgreSQL runs them in order and
     /// stops at the first error, so a transaction that is aborted (25P02) or no longer open (25P01) fails the
-    /// check and never reaches `COMMIT`. sqlx still counts the transaction as open, which the trailing `BEGIN`
-    /// makes true: the transaction handed back is that new, empty one (no snapshot is taken before its first
-    /// statement). Dropping it queues a `ROLLBACK` that goes out with the connection's next message.
+    /// check and never reaches `COMMIT`; nor does one that lost the claim's mark (see [`CLAIMED_OR_FAIL`]), so a
+    /// handler that ran `ROLLBACK; BEGIN` and wrote cannot commit its writes without idem's. sqlx still counts the
+    /// transaction as open, which the trailing `BEGIN` makes true: the transaction handed back is that new, empty
+    /// one (no snapshot is taken before its first statement). Dropping it queues a `ROLLBACK` that goes out with
+    /// the connection's next message.
     async fn commit_intact<'c>(
         mut tx: sqlx::Transaction<'c, Postgres>,
         idem_wrote: bool,
     ) -> IntactCommit<'c, Postgres> {
-        const CHECK_COMMIT_BEGIN: &str =
-            "SAVEPOINT idem_intact; SELECT pg_current_xact_id_if_assigned()::text; COMMIT; BEGIN";
         let conn: &mut PgConnection = &mut tx;
-        match sqlx::Executor::fetch_all(conn, CHECK_COMMIT_BEGIN).await {
-            // Without an id, what committed was a transaction the handler began, holding nothing of idem's.
-            Ok(rows) if idem_wrote && !has_transaction_id(&rows) => IntactCommit::Ended,
+        let sql = if idem_wrote { CLAIMED_OR_FAIL } else { "SAVEPOINT idem_intact; COMMIT; BEGIN" };
+        match sqlx::Executor::execute(conn, sql).await {
             Ok(_) => IntactCommit::Committed(Some(tx)),
             Err(error) if sql_state(&error) == Some("25P01") => IntactCommit::Ended,
+            // The transaction is not the one idem claimed in: the check failed it, so what the handler wrote in
+            // its own goes with it.
+            Err(error) if sql_state(&error) == Some(DIVISION_BY_ZERO) => {
+                let _ = tx.rollback().await;
+                IntactCommit::Ended
+            }
             Err(error) if sql_state(&error) == Some("25P02") => {
                 let _ = tx.rollback().await;
                 IntactCommit::Aborted(error)
@@ -232,13 +237,24 @@ impl Store for Postgres {
 }
 
 /// Takes and releases a savepoint (which fails outside a transaction block, 25P01, and in an aborted one, 25P02)
-/// and reads the transaction's id.
+/// and reads the claim's mark.
 const INTACT: &str =
-    "SAVEPOINT idem_intact; RELEASE SAVEPOINT idem_intact; SELECT pg_current_xact_id_if_assigned()::text";
+    "SAVEPOINT idem_intact; RELEASE SAVEPOINT idem_intact; SELECT current_setting('idem.claimed', true)";
 
-/// Whether the check's row says the transaction has an id (it wrote).
-fn has_transaction_id(rows: &[sqlx::postgres::PgRow]) -> bool {
-    rows.first().and_then(|row| row.try_get::<Option<String>, _>(0).ok()).flatten().is_some()
+/// The mark a claim leaves in its transaction: every statement that claims (the markers' `INSERT`, the Sequential
+/// Inbox's claim) sets the transaction-local setting `idem.claimed` to `'1'` when it claimed something. The
+/// setting ends with the transaction that set it, so a transaction the handler began after ending idem's (with
+/// `ROLLBACK; BEGIN`, or `COMMIT; BEGIN`) reads `''` or NULL there, whatever it wrote.
+const CLAIMED_OR_FAIL: &str = "SAVEPOINT idem_intact;
+     SELECT 1 / (current_setting('idem.claimed', true) IS NOT DISTINCT FROM '1')::int;
+     COMMIT; BEGIN";
+
+/// What [`CLAIMED_OR_FAIL`] raises when the mark is missing, before `COMMIT` is reached.
+const DIVISION_BY_ZERO: &str = "22012";
+
+/// Whether the check's row says the transaction is the one idem claimed in.
+fn claimed_here(rows: &[sqlx::postgres::PgRow]) -> bool {
+    rows.first().and_then(|row| row.try_get::<Option<String>, _>(0).ok()).flatten().as_deref() == Some("1")
 }
 
 fn sql_state(error: &sqlx::Error) -> Option<&str> {

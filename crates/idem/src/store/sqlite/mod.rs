@@ -101,13 +101,34 @@ impl Store for Sqlite {
         Ok(claims)
     }
 
-    async fn transaction_intact(_conn: &mut SqliteConnection, _idem_wrote: bool) -> Result<bool, sqlx::Error> {
-        // SQLite has no aborted-transaction state: a failed statement is undone alone, and COMMIT outside a
-        // transaction fails loudly.
-        Ok(true)
+    /// idem's transactions begin with a savepoint of their own, which any end of the transaction removes: a
+    /// handler that ran `ROLLBACK; BEGIN` (or `COMMIT; BEGIN`) through its connection leaves a transaction
+    /// without it. (SQLite has no aborted-transaction state: a failed statement is undone alone, and `COMMIT`
+    /// outside a transaction fails loudly.)
+    fn begin_statement() -> Option<&'static str> {
+        Some("BEGIN; SAVEPOINT idem_txn")
     }
 
-    async fn commit_intact<'c>(tx: sqlx::Transaction<'c, Sqlite>, _idem_wrote: bool) -> IntactCommit<'c, Sqlite> {
+    async fn transaction_intact(conn: &mut SqliteConnection, _idem_wrote: bool) -> Result<bool, sqlx::Error> {
+        match sqlx::Executor::execute(conn, "RELEASE SAVEPOINT idem_txn; SAVEPOINT idem_txn").await {
+            Ok(_) => Ok(true),
+            Err(error) if no_such_savepoint(&error) => Ok(false),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Releases idem's savepoint, then commits: a transaction that is no longer idem's fails the release and is
+    /// rolled back, so what a handler wrote in a transaction of its own is never committed as the message's
+    /// effect. (In-process, the two steps cost no round trip.)
+    async fn commit_intact<'c>(mut tx: sqlx::Transaction<'c, Sqlite>, _idem_wrote: bool) -> IntactCommit<'c, Sqlite> {
+        match sqlx::Executor::execute(&mut *tx, "RELEASE SAVEPOINT idem_txn").await {
+            Ok(_) => {}
+            Err(error) if no_such_savepoint(&error) => {
+                let _ = tx.rollback().await;
+                return IntactCommit::Ended;
+            }
+            Err(error) => return IntactCommit::CommitFailed(error),
+        }
         match tx.commit().await {
             Ok(()) => IntactCommit::Committed(None),
             Err(error) => IntactCommit::CommitFailed(error),
@@ -245,6 +266,15 @@ async fn open(url: &str, create: bool) -> Result<sqlx::SqlitePool, Error> {
         .busy_timeout(std::time::Duration::from_secs(30))
         .foreign_keys(true);
     Ok(sqlx::sqlite::SqlitePoolOptions::new().max_connections(4).connect_with(options).await?)
+}
+
+/// Whether releasing idem's savepoint failed because there is none: SQLITE_ERROR (1), the only result code the
+/// `RELEASE` of a savepoint by its name has for "no such savepoint" (a busy or full database has its own codes).
+fn no_such_savepoint(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| code.parse::<i32>().is_ok_and(|c| c & 0xff == 1)),
+        _ => false,
+    }
 }
 
 /// Whether a SQLite result code (extended or primary) is one of the transient ones of [`Store::transient`].
