@@ -207,7 +207,13 @@ impl SequentialInbox {
             store::Claim::Duplicate => return Ok(duplicate),
             store::Claim::Gone => return Err(Failure::Again),
         };
-        let state = store::state(&mut *tx, tables, instance, &type_name, &event.id).await?;
+        // A type without a release condition is always released: its PROCESSED row goes in with the state read.
+        let always_released = message_type.release.is_none();
+        let state = if always_released {
+            store::state_and_record_processed(&mut *tx, tables, instance, &type_name, &event.id, &event.message).await?
+        } else {
+            store::state(&mut *tx, tables, instance, &type_name, &event.id).await?
+        };
         let replaces = match state.existing {
             // Stored before claims existed, or by a consumer whose claim was lost: already handled or buffered.
             Some((_, Status::Processed | Status::Waiting)) => return Ok(duplicate),
@@ -231,8 +237,19 @@ impl SequentialInbox {
         // Recorded before the handler runs, so that in the common case (nothing waiting, the instance not
         // complete) none of idem's statements follows the handler's and its intact check rides on COMMIT; when a
         // release or a close follows, the handler's work is checked intact before them.
-        store::record(&mut *tx, tables, instance, &type_name, &event.id, &event.message, Status::Processed, replaces)
+        if !always_released {
+            store::record(
+                &mut *tx,
+                tables,
+                instance,
+                &type_name,
+                &event.id,
+                &event.message,
+                Status::Processed,
+                replaces,
+            )
             .await?;
+        }
         processed.insert(message_type.qualified.clone());
         let completes = sequence.types.iter().all(|t| processed.contains(&t.qualified));
         self.handle(handler, event, &mut *tx, state.waiting > 0 || (open && completes)).await?;

@@ -188,6 +188,58 @@ pub(crate) async fn state(
     })
 }
 
+/// [`state`] and, in the same statement, the message recorded PROCESSED, for a message type without a release
+/// condition (always released): one round trip where the two took two. Nothing is written when the message's
+/// newest row is PROCESSED or WAITING (the caller sees a duplicate in `existing`); a FAILED one is updated in
+/// place, as [`record`] does for a resend; otherwise a row is inserted. Every part of the statement reads the same
+/// snapshot, taken after the instance lock, so `processed` is what it was before this message, as with [`state`];
+/// PostgreSQL runs a data-modifying `WITH` part once whether or not the query reads it.
+pub(crate) async fn state_and_record_processed(
+    conn: &mut PgConnection,
+    tables: &Tables,
+    instance: i64,
+    message_type: &str,
+    idempotence_id: &str,
+    message: &Message,
+) -> Result<InstanceState, sqlx::Error> {
+    let sql = tables.render_once(
+        r#"WITH e AS (SELECT id, status FROM {t}sequenced_message
+                       WHERE idempotence_id = $1 AND message_type = $2 AND sequence_instance_id = $3
+                       ORDER BY id DESC LIMIT 1),
+                resent AS (UPDATE {t}sequenced_message m
+                              SET status = 'PROCESSED', topic = $4, partition = $5, "offset" = $6, key = NULL,
+                                  payload = NULL, headers = $7, error = NULL, force_release = false,
+                                  received_at = now(), processed_at = clock_timestamp()
+                             FROM e WHERE m.id = e.id AND e.status = 'FAILED'),
+                fresh AS (INSERT INTO {t}sequenced_message (sequence_instance_id, message_type, idempotence_id, status,
+                                 topic, partition, "offset", key, payload, headers, processed_at)
+                          SELECT $3, $2, $1, 'PROCESSED', $4, $5, $6, NULL, NULL, $7, clock_timestamp()
+                           WHERE NOT EXISTS (SELECT 1 FROM e))
+         SELECT e.id, e.status,
+                ARRAY(SELECT DISTINCT message_type FROM {t}sequenced_message
+                       WHERE sequence_instance_id = $3 AND status = 'PROCESSED'),
+                (SELECT count(*) FROM {t}sequenced_message WHERE sequence_instance_id = $3 AND status = 'WAITING')
+           FROM (SELECT 1) one LEFT JOIN e ON true"#,
+    );
+    let row = sqlx::query(&sql)
+        .bind(idempotence_id)
+        .bind(message_type)
+        .bind(instance)
+        .bind(&message.topic)
+        .bind(message.partition)
+        .bind(message.offset)
+        .bind(encode_headers(&message.headers))
+        .fetch_one(conn)
+        .await?;
+    let id: Option<i64> = row.get(0);
+    let status: Option<String> = row.get(1);
+    Ok(InstanceState {
+        existing: id.zip(status.as_deref().and_then(Status::parse)),
+        processed: row.get(2),
+        waiting: row.get(3),
+    })
+}
+
 /// The types of the instance already processed.
 pub(crate) async fn processed_types(
     conn: &mut PgConnection,
