@@ -90,7 +90,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let stop = Arc::new(AtomicBool::new(false));
     let during = tokio::spawn(consume(engine.clone(), Arc::clone(&next), Arc::clone(&stop)));
     let week = Duration::from_secs(7 * 86_400);
-    let report = idem::prune::prune(&pool, &tables, None, week, &Pruning::default(), |_| {}).await?;
+    // Each statement's duration: the time between two progress calls, less the pause between them.
+    let pruning = Pruning::default();
+    let mut ends = vec![Instant::now()];
+    let report = idem::prune::prune(&pool, &tables, None, week, &pruning, |_| ends.push(Instant::now())).await?;
+    let mut statements_ms: Vec<f64> = ends
+        .windows(2)
+        .enumerate()
+        .map(|(i, w)| {
+            let pause = if i == 0 { Duration::ZERO } else { pruning.pause };
+            (w[1] - w[0]).saturating_sub(pause).as_secs_f64() * 1000.0
+        })
+        .collect();
+    let slowest_at = statements_ms.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i + 1);
+    statements_ms.sort_by(f64::total_cmp);
+    let at =
+        |q: f64| statements_ms.get(((statements_ms.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0.0);
+    let over_200 = statements_ms.iter().filter(|ms| **ms > 200.0).count();
     stop.store(true, Ordering::SeqCst);
     let during = during.await?;
 
@@ -104,6 +120,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             "deleted": report.deleted,
             "statements": report.statements,
             "longest_statement_ms": (report.longest_statement.as_secs_f64() * 1000.0 * 10.0).round() / 10.0,
+            "statement_ms_median": (at(0.5) * 10.0).round() / 10.0,
+            "statement_ms_p99": (at(0.99) * 10.0).round() / 10.0,
+            "statements_over_200_ms": over_200,
+            "slowest_statement_number": slowest_at,
             "prune_seconds": (report.elapsed.as_secs_f64() * 10.0).round() / 10.0,
             "deleted_per_second": (report.deleted as f64 / report.elapsed.as_secs_f64()).round(),
             "consumer_alone_per_second": alone.round(),

@@ -44,9 +44,11 @@ pub async fn prune<DB: Backend>(
     let started = Instant::now();
     let mut report = PruneReport::default();
     let mut size = StatementSize::new(pruning);
+    let mut from = None;
     loop {
         let statement = Instant::now();
-        let deleted = DB::prune_batch(pool, tables, group, retention, size.rows()).await?;
+        let (deleted, reached) = DB::prune_batch(pool, tables, group, retention, size.rows(), from).await?;
+        from = reached.or(from);
         let took = statement.elapsed();
         size.observe(deleted, took);
         report.longest_statement = report.longest_statement.max(took);

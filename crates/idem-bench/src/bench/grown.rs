@@ -128,10 +128,11 @@ async fn prepare(
     let grown = Tables::new(None, GROWN)?;
     idem::migrate(pool, &grown).await?;
     if let Layout::Partitioned = layout {
-        // One marker on each of the last ten days, so that the conversion makes their partitions.
+        // One marker on each of the last eleven days (the load spans ten days back from now, so eleven UTC dates),
+        // so that the conversion makes their partitions.
         sqlx::query(&format!(
             r#"INSERT INTO {GROWN}processed_events (consumer_group, event_id, topic, partition, "offset", processed_at)
-               SELECT $1, 'seed-' || d, 'payments', -1, d, now() - make_interval(days => d) FROM generate_series(0, 9) d"#
+               SELECT $1, 'seed-' || d, 'payments', -1, d, now() - make_interval(days => d) FROM generate_series(0, 10) d"#
         ))
         .bind(GROUP)
         .execute(pool)

@@ -162,14 +162,18 @@ pub trait Operations: Store {
         check_only: bool,
     ) -> impl Future<Output = Result<ReplayStart, Error>> + Send;
     /// Deletes at most `limit` markers older than `older_than` (of `group`, or of every group) in one statement
-    /// (PostgreSQL: by `ctid`; SQLite: by `rowid`) and returns how many went.
+    /// (PostgreSQL: by `ctid`, oldest first; SQLite: by `rowid`) and returns how many went and, where the store
+    /// tracks it, the newest `processed_at` deleted (seconds since the epoch). Passed back as `from`, it starts
+    /// the next statement's index scan there: on PostgreSQL the entries of rows a pass already deleted stay in the
+    /// index until a vacuum, and a scan from the oldest would walk all of them again at every statement.
     fn prune_batch(
         pool: &sqlx::Pool<Self>,
         tables: &Tables,
         group: Option<&str>,
         older_than: std::time::Duration,
         limit: u32,
-    ) -> impl Future<Output = Result<u64, Error>> + Send;
+        from: Option<f64>,
+    ) -> impl Future<Output = Result<(u64, Option<f64>), Error>> + Send;
     /// Counts the markers older than `older_than` (of `group`, or of every group): what a prune would delete.
     fn count_expired(
         pool: &sqlx::Pool<Self>,

@@ -362,7 +362,8 @@ impl Operations for MySql {
         group: Option<&str>,
         older_than: std::time::Duration,
         limit: u32,
-    ) -> Result<u64, Error> {
+        _from: Option<f64>,
+    ) -> Result<(u64, Option<f64>), Error> {
         // A single-table DELETE takes a LIMIT; the range scan on processed_at locks only the old rows it removes
         // (and the gap next to them), far from the new markers at the other end of the index.
         let sql = tables.render(
@@ -377,7 +378,7 @@ impl Operations for MySql {
             .bind(i64::from(limit))
             .execute(pool)
             .await?;
-        Ok(done.rows_affected())
+        Ok((done.rows_affected(), None))
     }
 
     async fn count_expired(

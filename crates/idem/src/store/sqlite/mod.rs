@@ -190,7 +190,8 @@ impl Operations for Sqlite {
         group: Option<&str>,
         older_than: std::time::Duration,
         limit: u32,
-    ) -> Result<u64, Error> {
+        _from: Option<f64>,
+    ) -> Result<(u64, Option<f64>), Error> {
         let sql = tables.render(
             r#"DELETE FROM {t}processed_events WHERE rowid IN (
                  SELECT rowid FROM {t}processed_events
@@ -200,7 +201,7 @@ impl Operations for Sqlite {
         );
         let millis = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
         let done = sqlx::query(&sql).bind(millis).bind(group).bind(i64::from(limit)).execute(pool).await?;
-        Ok(done.rows_affected())
+        Ok((done.rows_affected(), None))
     }
 
     async fn count_expired(
