@@ -152,6 +152,26 @@ pub(crate) async fn lock_instance(
     Ok(status.map(|(s, _)| s == "OPEN"))
 }
 
+/// The newest row of the message being decided (`$1` its id, `$2` its type, `$3` the instance), as the CTE `e`.
+macro_rules! newest_row {
+    () => {
+        "e AS (SELECT id, status FROM {t}sequenced_message
+                WHERE idempotence_id = $1 AND message_type = $2 AND sequence_instance_id = $3
+                ORDER BY id DESC LIMIT 1)"
+    };
+}
+
+/// The state read over `e` (`newest_row!`): its row, the instance's processed types and its waiting count.
+macro_rules! read_state {
+    () => {
+        "SELECT e.id, e.status,
+                ARRAY(SELECT DISTINCT message_type FROM {t}sequenced_message
+                       WHERE sequence_instance_id = $3 AND status = 'PROCESSED'),
+                (SELECT count(*) FROM {t}sequenced_message WHERE sequence_instance_id = $3 AND status = 'WAITING')
+           FROM (SELECT 1) one LEFT JOIN e ON true"
+    };
+}
+
 /// What the decision needs once the instance is locked, read in one statement (so with a snapshot taken after
 /// the lock was granted): the legacy lookup of this message (its newest row), the processed types, and how
 /// many messages wait.
@@ -168,16 +188,7 @@ pub(crate) async fn state(
     message_type: &str,
     idempotence_id: &str,
 ) -> Result<InstanceState, sqlx::Error> {
-    let sql = tables.render_once(
-        "SELECT e.id, e.status,
-                ARRAY(SELECT DISTINCT message_type FROM {t}sequenced_message
-                       WHERE sequence_instance_id = $3 AND status = 'PROCESSED'),
-                (SELECT count(*) FROM {t}sequenced_message WHERE sequence_instance_id = $3 AND status = 'WAITING')
-           FROM (SELECT 1) one
-           LEFT JOIN LATERAL (SELECT id, status FROM {t}sequenced_message
-                               WHERE idempotence_id = $1 AND message_type = $2 AND sequence_instance_id = $3
-                               ORDER BY id DESC LIMIT 1) e ON true",
-    );
+    let sql = tables.render_once(concat!("WITH ", newest_row!(), " ", read_state!()));
     let row = sqlx::query(&sql).bind(idempotence_id).bind(message_type).bind(instance).fetch_one(conn).await?;
     let id: Option<i64> = row.get(0);
     let status: Option<String> = row.get(1);
@@ -202,10 +213,10 @@ pub(crate) async fn state_and_record_processed(
     idempotence_id: &str,
     message: &Message,
 ) -> Result<InstanceState, sqlx::Error> {
-    let sql = tables.render_once(
-        r#"WITH e AS (SELECT id, status FROM {t}sequenced_message
-                       WHERE idempotence_id = $1 AND message_type = $2 AND sequence_instance_id = $3
-                       ORDER BY id DESC LIMIT 1),
+    let sql = tables.render_once(concat!(
+        "WITH ",
+        newest_row!(),
+        r#",
                 resent AS (UPDATE {t}sequenced_message m
                               SET status = 'PROCESSED', topic = $4, partition = $5, "offset" = $6, key = NULL,
                                   payload = NULL, headers = $7, error = NULL, force_release = false,
@@ -215,12 +226,9 @@ pub(crate) async fn state_and_record_processed(
                                  topic, partition, "offset", key, payload, headers, processed_at)
                           SELECT $3, $2, $1, 'PROCESSED', $4, $5, $6, NULL, NULL, $7, clock_timestamp()
                            WHERE NOT EXISTS (SELECT 1 FROM e))
-         SELECT e.id, e.status,
-                ARRAY(SELECT DISTINCT message_type FROM {t}sequenced_message
-                       WHERE sequence_instance_id = $3 AND status = 'PROCESSED'),
-                (SELECT count(*) FROM {t}sequenced_message WHERE sequence_instance_id = $3 AND status = 'WAITING')
-           FROM (SELECT 1) one LEFT JOIN e ON true"#,
-    );
+         "#,
+        read_state!()
+    ));
     let row = sqlx::query(&sql)
         .bind(idempotence_id)
         .bind(message_type)
