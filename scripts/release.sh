@@ -4,7 +4,8 @@
 #   scripts/release.sh                          # this machine's target
 #   scripts/release.sh x86_64-unknown-linux-gnu aarch64-unknown-linux-gnu
 #
-# Each target is built with `cargo build --release --locked --target T -p idem-cli` (its standard library added
+# Each target is built with `cargo build --release --locked --target T -p idem-cli --features full` (every broker
+# and OpenTelemetry; its standard library added
 # with rustup when missing; a target of another architecture also needs its C linker, e.g. Debian's
 # gcc-aarch64-linux-gnu with CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc). The archives
 # land in dist/: idem-VERSION-TARGET.tar.gz holding the binary, README.md, LICENSE, docs/, deploy/ and
@@ -23,7 +24,7 @@ for target in "${targets[@]}"; do
     rustup target add "$target"
   fi
   echo "building idem $version for $target…"
-  cargo build --release --locked --target "$target" -p idem-cli
+  cargo build --release --locked --target "$target" -p idem-cli --features full
   stage=$(mktemp -d)
   name="idem-$version-$target"
   mkdir -p "$stage/$name/examples"

@@ -109,8 +109,8 @@ if [ -z "${IDEM_PUBSUB_EMULATOR_HOST:-}" ]; then
   trap 'scripts/pubsub.sh down >/dev/null' EXIT
 fi
 # The property tests of the parsers of untrusted bytes run 1,024 cases each (PROPTEST_CASES raises it).
-PROPTEST_CASES="${PROPTEST_CASES:-1024}" cargo test --workspace --all-targets "$@"
-cargo test --workspace --doc
+PROPTEST_CASES="${PROPTEST_CASES:-1024}" cargo test --workspace --all-targets --features idem-cli/full "$@"
+cargo test --workspace --doc --features idem-cli/full
 # The examples run to their end and check their own results (order_sequence on PostgreSQL; orders_guarded
 # exits non-zero on any order in a wrong final state).
 cargo run --quiet -p idem --example credit
@@ -172,9 +172,16 @@ else
   echo "chaos: no broker binary at $kafka_bin; the Kafka trials are skipped" >&2
 fi
 # The install path a user without a checkout takes, from this checkout: `cargo install` into a temporary root,
-# then the installed command runs. Last: it rebuilds target/debug/idem with the command's own features.
+# then the installed command runs: the default build (no broker) runs the embedded example and refuses a Kafka
+# consumer by naming the feature. Last: it rebuilds target/debug/idem with the command's default features.
 install_root="$(mktemp -d)"
 cargo install --quiet --locked --debug --path crates/idem-cli --root "$install_root" --target-dir target
 "$install_root/bin/idem" --version
 "$install_root/bin/idem" check --offline --config examples/config/payments.toml
+kafka_file="$install_root/kafka.toml"
+sed -e 's/^embedded = /# embedded = /' -e 's/^# kafka = /kafka = /' examples/config/payments.toml > "$kafka_file"
+if refusal=$("$install_root/bin/idem" check --offline --config "$kafka_file" 2>&1); then
+  echo "the default build accepted a [consumer.kafka] it cannot run" >&2; exit 1
+fi
+grep -q "needs idem's \`kafka\` feature" <<<"$refusal" || { echo "unexpected refusal: $refusal" >&2; exit 1; }
 rm -rf "$install_root"

@@ -14,7 +14,7 @@ use clap::{Parser, Subcommand};
 
 /// Exactly-once effects over at-least-once message delivery.
 #[derive(Parser)]
-#[command(name = "idem", version, about, long_about = None)]
+#[command(name = "idem", version = crate::features::VERSION.as_str(), about, long_about = None)]
 struct Cli {
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, global = true, env = "IDEM_LOG", default_value = "warn")]

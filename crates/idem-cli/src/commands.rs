@@ -111,11 +111,19 @@ pub const NO_BROKER: &str = "where to publish: give --log-dir DIR, --kafka BROKE
 impl OptionalBrokerFlags {
     /// The broker the flags name, where a command needs one (`idem dead-letters replay`).
     pub fn required(self) -> anyhow::Result<BrokerTarget> {
-        self.target().ok_or_else(|| anyhow::anyhow!(NO_BROKER))
+        self.target()?.ok_or_else(|| anyhow::anyhow!(NO_BROKER))
     }
 
-    /// The broker the flags name, if one.
-    pub fn target(self) -> Option<BrokerTarget> {
+    /// The broker the flags name, if one; a broker this idem is built without is refused, naming its feature.
+    pub fn target(self) -> anyhow::Result<Option<BrokerTarget>> {
+        let target = self.named();
+        if let Some(target) = &target {
+            target.check_built()?;
+        }
+        Ok(target)
+    }
+
+    fn named(self) -> Option<BrokerTarget> {
         Some(match self {
             OptionalBrokerFlags { kafka: Some(brokers), .. } => BrokerTarget::Kafka(brokers),
             OptionalBrokerFlags { nats: Some(url), .. } => BrokerTarget::Nats(url),

@@ -97,8 +97,9 @@ pub async fn run(args: ConsoleArgs) -> anyhow::Result<ExitCode> {
         message_type: serve.message_type,
         ..ConsoleConfig::new(users)
     };
+    let target = serve.to.target()?;
     let (db, tables) = Db::open_with(&db_args, "dead_letters").await?;
-    let publisher = match serve.to.target() {
+    let publisher = match target {
         Some(target) => Some(target.publisher().await?),
         None => None,
     };

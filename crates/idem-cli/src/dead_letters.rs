@@ -161,7 +161,7 @@ pub async fn run(command: DeadLetterCommand) -> anyhow::Result<ExitCode> {
         DeadLetterCommand::Replay { db, to, ids, all, select, force, dry_run, json, actor } => {
             // A dry run publishes nothing, nor does the replay of HTTP requests (it releases their keys): neither
             // needs a broker (see `replay`).
-            let target = to.target();
+            let target = to.target()?;
             let safety = if force { Safety::Forced } else { Safety::Checked };
             let filter = select.filter()?;
             let chosen = Chosen { ids: &ids, all, filter: &filter };

@@ -9,6 +9,7 @@ pub mod db;
 pub mod dead_letters;
 pub mod demo;
 pub mod embedded_log;
+pub mod features;
 pub mod inbox;
 pub mod logging;
 pub mod migrations;

@@ -45,6 +45,13 @@ pub fn init(level: tracing::Level, json: bool) -> anyhow::Result<Tracing> {
     #[cfg(not(feature = "otel"))]
     {
         tracing_subscriber::registry().with(logs).try_init()?;
+        let set = |name: &str| std::env::var(name).is_ok_and(|v| !v.trim().is_empty());
+        if set("OTEL_EXPORTER_OTLP_ENDPOINT") || set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") {
+            tracing::warn!(
+                "{}: no traces are exported",
+                crate::features::missing("otel", "OTEL_EXPORTER_OTLP_ENDPOINT")
+            );
+        }
         Ok(Tracing {})
     }
 }

@@ -114,6 +114,7 @@ impl Delivery for NoBroker {
 
 /// Runs `idem relay` until SIGINT/SIGTERM (or, with `--until-empty`, until the outbox is empty).
 pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
+    let target = args.to.target()?;
     let signals = crate::signals::Signals::install()?;
     let config = RelayConfig {
         name: args.name.clone(),
@@ -134,7 +135,6 @@ pub async fn relay(args: RelayArgs) -> anyhow::Result<ExitCode> {
     }
     let shutdown = signals.received();
     let http = HttpDelivery::default();
-    let target = args.to.target();
     let stats = match target {
         Some(BrokerTarget::Kafka(brokers)) => {
             let producer = HttpOr(http, kafka_producer(&brokers)?);
@@ -207,8 +207,14 @@ impl Delivery for AutoTopics {
     }
 }
 
+#[cfg(feature = "kafka")]
 fn kafka_producer(brokers: &str) -> anyhow::Result<Publish<idem::kafka::KafkaProducer>> {
     Ok(Publish(idem::kafka::KafkaProducer::new(brokers)?))
+}
+
+#[cfg(not(feature = "kafka"))]
+fn kafka_producer(_: &str) -> anyhow::Result<Publish<idem::embedded::LogProducer>> {
+    Err(crate::features::missing("kafka", "--kafka"))
 }
 
 #[cfg(feature = "nats")]
@@ -232,7 +238,7 @@ async fn nats_producer(
     _: &str,
     _: &[idem::outbox::DestinationStats],
 ) -> anyhow::Result<Publish<idem::embedded::LogProducer>> {
-    bail!("--nats: this idem is built without the `nats` feature")
+    Err(crate::features::missing("nats", "--nats"))
 }
 
 #[cfg(feature = "pubsub")]
@@ -242,7 +248,7 @@ async fn pubsub_producer(project: &str) -> anyhow::Result<Publish<idem::pubsub::
 
 #[cfg(not(feature = "pubsub"))]
 async fn pubsub_producer(_: &str) -> anyhow::Result<Publish<idem::embedded::LogProducer>> {
-    bail!("--pubsub: this idem is built without the `pubsub` feature")
+    Err(crate::features::missing("pubsub", "--pubsub"))
 }
 
 #[cfg(feature = "rabbitmq")]
@@ -252,7 +258,7 @@ async fn rabbitmq_producer(url: &str) -> anyhow::Result<Publish<idem::rabbitmq::
 
 #[cfg(not(feature = "rabbitmq"))]
 async fn rabbitmq_producer(_: &str) -> anyhow::Result<Publish<idem::embedded::LogProducer>> {
-    bail!("--rabbitmq: this idem is built without the `rabbitmq` feature")
+    Err(crate::features::missing("rabbitmq", "--rabbitmq"))
 }
 
 /// Runs an `idem outbox` command.

@@ -11,6 +11,7 @@ pub enum AnyPublisher {
     /// The embedded log.
     Log(idem::embedded::LogProducer),
     /// Kafka.
+    #[cfg(feature = "kafka")]
     Kafka(idem::kafka::KafkaProducer),
     /// NATS JetStream.
     #[cfg(feature = "nats")]
@@ -30,6 +31,7 @@ impl Publisher for AnyPublisher {
     async fn publish(&self, message: &Message) -> Result<(), SourceError> {
         match self {
             AnyPublisher::Log(p) => p.publish(message).await,
+            #[cfg(feature = "kafka")]
             AnyPublisher::Kafka(p) => p.publish(message).await,
             #[cfg(feature = "nats")]
             AnyPublisher::Nats(p) => p.publish(message).await,
@@ -53,6 +55,7 @@ impl BrokerTarget {
                 }
                 AnyPublisher::Log(idem::embedded::EmbeddedLog::open(dir)?.producer())
             }
+            #[cfg(feature = "kafka")]
             BrokerTarget::Kafka(brokers) => AnyPublisher::Kafka(idem::kafka::KafkaProducer::new(brokers)?),
             #[cfg(feature = "nats")]
             BrokerTarget::Nats(url) => AnyPublisher::Nats(idem::nats::NatsProducer::connect(url).await?),
@@ -65,8 +68,33 @@ impl BrokerTarget {
                 AnyPublisher::PubSub(idem::pubsub::PubSubProducer::connect(Some(project), None).await?)
             }
             #[allow(unreachable_patterns)]
-            other => bail!("{}: this idem is built without that broker's feature", other.flag()),
+            other => return Err(other.unavailable()),
         })
+    }
+
+    /// The cargo feature that builds this broker's client in (none for the embedded log).
+    pub fn feature(&self) -> Option<&'static str> {
+        match self {
+            BrokerTarget::Log(_) => None,
+            BrokerTarget::Kafka(_) => Some("kafka"),
+            BrokerTarget::Nats(_) => Some("nats"),
+            BrokerTarget::Rabbitmq(_) => Some("rabbitmq"),
+            BrokerTarget::Sqs(_) => Some("sqs"),
+            BrokerTarget::PubSub(_) => Some("pubsub"),
+        }
+    }
+
+    /// Refuses this broker when this idem is built without its feature (before a command reads or writes
+    /// anything).
+    pub fn check_built(&self) -> anyhow::Result<()> {
+        match self.feature() {
+            Some(feature) => crate::features::require(feature, self.flag()),
+            None => Ok(()),
+        }
+    }
+
+    fn unavailable(&self) -> anyhow::Error {
+        crate::features::missing(self.feature().unwrap_or("none"), self.flag())
     }
 
     /// The flag that names this broker.

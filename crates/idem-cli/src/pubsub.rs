@@ -74,16 +74,15 @@ mod enabled {
 
 #[cfg(not(feature = "pubsub"))]
 mod enabled {
-    use anyhow::bail;
 
     /// Without the feature: refused.
     pub async fn write_demo_topic(_: &str, _: &str, _: &str, _: &[(i64, String)]) -> anyhow::Result<()> {
-        bail!("--pubsub: this idem is built without the `pubsub` feature")
+        Err(crate::features::missing("pubsub", "--pubsub"))
     }
 
     /// Without the feature: refused.
     pub async fn publish(_: &str, _: &str, _: &[(i64, String)]) -> anyhow::Result<()> {
-        bail!("--pubsub: this idem is built without the `pubsub` feature")
+        Err(crate::features::missing("pubsub", "--pubsub"))
     }
 
     /// Without the feature: nothing to remove.

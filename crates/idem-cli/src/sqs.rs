@@ -82,12 +82,12 @@ mod enabled {
 
     /// Without the `sqs` feature: refused.
     pub async fn producer(_: &str) -> anyhow::Result<Publish<idem::embedded::LogProducer>> {
-        anyhow::bail!("--sqs: this idem is built without the `sqs` feature")
+        Err(crate::features::missing("sqs", "--sqs"))
     }
 
     /// Without the `sqs` feature: refused.
     pub async fn write_demo_queue(_: &str, _: &str, _: Duration, _: &[(i64, String)]) -> anyhow::Result<()> {
-        anyhow::bail!("--sqs: this idem is built without the `sqs` feature")
+        Err(crate::features::missing("sqs", "--sqs"))
     }
 
     /// Without the `sqs` feature: nothing to remove.

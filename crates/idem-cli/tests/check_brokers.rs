@@ -3,6 +3,8 @@
 //! that does not hold the consumer's subject. Each fault makes it exit non-zero, naming the fault and the fix;
 //! `--offline` checks the file alone.
 
+#![cfg(all(feature = "kafka", feature = "nats", feature = "rabbitmq", feature = "sqs", feature = "pubsub"))]
+
 mod service_common;
 
 use service_common::{Db, Dir, idem, ledger_consumer_from, text, unique};

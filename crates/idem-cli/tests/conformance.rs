@@ -22,6 +22,8 @@
 //!
 //! A new source adds a [`Broker`] and runs the same functions.
 
+#![cfg(all(feature = "kafka", feature = "nats", feature = "rabbitmq", feature = "sqs", feature = "pubsub"))]
+
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};

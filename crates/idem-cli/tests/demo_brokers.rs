@@ -4,6 +4,8 @@
 //! `IDEM_PUBSUB_EMULATOR_HOST`, default the Pub/Sub emulator of scripts/pubsub.sh, 127.0.0.1:8681), on SQLite and
 //! on PostgreSQL, with its crashes and its exact ledger check (on the emulator: exact up to what it holds back).
 
+#![cfg_attr(not(all(feature = "nats", feature = "rabbitmq", feature = "sqs", feature = "pubsub")), allow(dead_code))]
+
 use std::process::Command;
 
 use serde_json::Value;

@@ -3,6 +3,8 @@
 //! commit; the group rebalances, B receives A's partitions and replays; every event id has exactly one ledger
 //! entry and one marker, and the replay is counted as `duplicate`.
 
+#![cfg(feature = "kafka")]
+
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};

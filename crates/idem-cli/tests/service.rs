@@ -771,6 +771,7 @@ async fn sigterm_during_start_up_ends_the_run_once_start_up_is_over() {
 }
 
 /// A collector stand-in: answers every request with 200 and keeps each request's first line.
+#[cfg(feature = "otel")]
 fn collector() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
     use std::io::{BufRead, BufReader, Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -814,6 +815,7 @@ fn collector() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
 
 /// With `OTEL_EXPORTER_OTLP_ENDPOINT` set, `idem run` posts its spans to the collector; a collector that cannot be
 /// reached is logged, not silently dropped, and costs the run nothing.
+#[cfg(feature = "otel")]
 #[tokio::test(flavor = "multi_thread")]
 async fn traces_go_to_the_otlp_collector_and_an_unreachable_one_is_logged() {
     let dir = Dir::new("svc_otlp");

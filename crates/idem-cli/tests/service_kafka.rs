@@ -1,6 +1,8 @@
 //! `idem run` on Kafka, alone in its test binary (the loopback broker's group joins are slow under load): the
 //! ledger exact after SIGKILL crashes between commit and offset commit, and before the commit.
 
+#![cfg(feature = "kafka")]
+
 mod service_common;
 
 use std::os::unix::process::ExitStatusExt;

@@ -80,7 +80,7 @@ pub(super) async fn relay_and_apply(
             (target, Transport::Embedded(dir.clone()), extra)
         }
         Transport::Kafka { brokers, group, .. } => {
-            idem::kafka::create_topic(brokers, topic, args.partitions, 7 * 24 * 3_600_000).await?;
+            super::events::create_kafka_topic(brokers, topic, args.partitions).await?;
             let second = Transport::Kafka {
                 brokers: brokers.clone(),
                 topic: topic.to_owned(),

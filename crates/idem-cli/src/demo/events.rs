@@ -127,10 +127,29 @@ pub(super) fn write_embedded(log_dir: &Path, partitions: i32, records: &[(i64, S
     Ok(())
 }
 
+/// Creates a Kafka topic of the demo's (explicit 7-day retention).
+#[cfg(feature = "kafka")]
+pub async fn create_kafka_topic(brokers: &str, topic: &str, partitions: i32) -> anyhow::Result<()> {
+    Ok(idem::kafka::create_topic(brokers, topic, partitions, 7 * 24 * 3_600_000).await?)
+}
+
+/// Without the `kafka` feature: refused.
+#[cfg(not(feature = "kafka"))]
+pub async fn create_kafka_topic(_: &str, _: &str, _: i32) -> anyhow::Result<()> {
+    Err(crate::features::missing("kafka", "--kafka"))
+}
+
+/// Without the `kafka` feature: refused.
+#[cfg(not(feature = "kafka"))]
+pub async fn write_kafka(_: &str, _: &str, _: i32, _: &[(i64, String)]) -> anyhow::Result<()> {
+    Err(crate::features::missing("kafka", "--kafka"))
+}
+
 /// Produces to a fresh topic (explicit 7-day retention) through the idempotent producer helper, many sends in
 /// flight at once.
+#[cfg(feature = "kafka")]
 pub async fn write_kafka(brokers: &str, topic: &str, partitions: i32, records: &[(i64, String)]) -> anyhow::Result<()> {
-    idem::kafka::create_topic(brokers, topic, partitions, 7 * 24 * 3_600_000).await?;
+    create_kafka_topic(brokers, topic, partitions).await?;
     let producer = std::sync::Arc::new(idem::kafka::KafkaProducer::new(brokers)?);
     for chunk in records.chunks(2000) {
         let mut sends = tokio::task::JoinSet::new();
@@ -167,7 +186,7 @@ pub async fn write_nats(url: &str, stream: &str, records: &[(i64, String)]) -> a
 /// Without the `nats` feature: refused.
 #[cfg(not(feature = "nats"))]
 pub async fn write_nats(_: &str, _: &str, _: &[(i64, String)]) -> anyhow::Result<()> {
-    anyhow::bail!("--nats: this idem is built without the `nats` feature")
+    Err(crate::features::missing("nats", "--nats"))
 }
 
 /// Declares `queues` (durable) and publishes each record to the queue of its account, in order.
@@ -193,7 +212,7 @@ pub async fn write_rabbitmq(url: &str, queues: &[String], records: &[(i64, Strin
 /// Without the `rabbitmq` feature: refused.
 #[cfg(not(feature = "rabbitmq"))]
 pub async fn write_rabbitmq(_: &str, _: &[String], _: &[(i64, String)]) -> anyhow::Result<()> {
-    anyhow::bail!("--rabbitmq: this idem is built without the `rabbitmq` feature")
+    Err(crate::features::missing("rabbitmq", "--rabbitmq"))
 }
 
 fn drain_due(retries: &mut Vec<(u64, i64, String)>, n: u64) -> Vec<(u64, i64, String)> {
@@ -206,6 +225,7 @@ fn drain_due(retries: &mut Vec<(u64, i64, String)>, n: u64) -> Vec<(u64, i64, St
 /// must hold once they are consumed) as one JSON line.
 pub async fn produce(args: ProduceArgs) -> anyhow::Result<ExitCode> {
     validate_events(args.events, args.duplicates, args.partitions)?;
+    crate::features::require_flags(&[("kafka", args.kafka.is_some())])?;
     let (plan, records) = generate(args.events, args.duplicates, args.seed);
     match (&args.kafka, &args.log_dir) {
         (Some(brokers), _) => write_kafka(brokers, &args.topic, args.partitions, &records)

@@ -219,7 +219,13 @@ fn validate(args: &DemoArgs) -> anyhow::Result<()> {
     if args.batch_size == 0 || args.batch_size > 10_000 {
         bail!("--batch-size {} is out of range: use 1 to 10000", args.batch_size);
     }
-    Ok(())
+    crate::features::require_flags(&[
+        ("kafka", args.kafka.is_some()),
+        ("nats", args.nats.is_some()),
+        ("rabbitmq", args.rabbitmq.is_some()),
+        ("sqs", args.sqs.is_some()),
+        ("pubsub", args.pubsub.is_some()),
+    ])
 }
 
 fn reset_dir(dir: &Path, log_dir: &Path) -> anyhow::Result<()> {

@@ -160,6 +160,13 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
     if args.kafka.is_none() && !args.kafka_settings.is_empty() {
         bail!("--kafka-setting applies to Kafka only: give --kafka BROKERS, or leave the settings out");
     }
+    crate::features::require_flags(&[
+        ("kafka", args.kafka.is_some()),
+        ("nats", args.nats.is_some()),
+        ("rabbitmq", args.rabbitmq.is_some()),
+        ("sqs", args.sqs.is_some()),
+        ("pubsub", args.pubsub.is_some()),
+    ])?;
     let key = if args.second_ledger {
         KeyExtractor::Header(idem::message::EVENT_ID_HEADER.into())
     } else {
@@ -192,19 +199,7 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<ExitCode> {
         return pubsub(project, &args, config, db, credit, signals).await;
     }
     match (&args.kafka, &args.log_dir) {
-        (Some(brokers), _) => {
-            let mut kafka = idem::kafka::KafkaConfig::new(brokers.as_str(), &[args.topic.as_str()]);
-            for setting in &args.kafka_settings {
-                let Some((key, value)) = setting.split_once('=') else {
-                    bail!("--kafka-setting `{setting}` is not KEY=VALUE");
-                };
-                kafka = kafka.set(key, value);
-            }
-            kafka.stop_at_end = !args.follow;
-            let observer: idem::kafka::consumer::AssignmentObserver = std::sync::Arc::new(report_assignment);
-            let source = idem::kafka::KafkaSource::connect_observed(&kafka, &config, Some(observer)).await?;
-            consume(source, &args, config, db, credit, signals).await
-        }
+        (Some(brokers), _) => kafka(brokers, &args, config, db, credit, signals).await,
         (None, Some(dir)) => {
             let log = EmbeddedLog::open(dir)?;
             let options = ConsumerOptions { stop_at_end: !args.follow, ..ConsumerOptions::default() };
@@ -229,6 +224,33 @@ async fn consume(
     let source = idem::BoxedSource::new(source);
     with_pool!(db, pool => consume_with(pool, source, config, credit, args.metrics_addr, faults, signals).await?);
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(feature = "kafka")]
+async fn kafka(
+    brokers: &str,
+    args: &WorkerArgs,
+    config: Config,
+    db: Db,
+    credit: Credit,
+    signals: Signals,
+) -> anyhow::Result<ExitCode> {
+    let mut kafka = idem::kafka::KafkaConfig::new(brokers, &[args.topic.as_str()]);
+    for setting in &args.kafka_settings {
+        let Some((key, value)) = setting.split_once('=') else {
+            bail!("--kafka-setting `{setting}` is not KEY=VALUE");
+        };
+        kafka = kafka.set(key, value);
+    }
+    kafka.stop_at_end = !args.follow;
+    let observer: idem::kafka::consumer::AssignmentObserver = std::sync::Arc::new(report_assignment);
+    let source = idem::kafka::KafkaSource::connect_observed(&kafka, &config, Some(observer)).await?;
+    consume(source, args, config, db, credit, signals).await
+}
+
+#[cfg(not(feature = "kafka"))]
+async fn kafka(_: &str, _: &WorkerArgs, _: Config, _: Db, _: Credit, _: Signals) -> anyhow::Result<ExitCode> {
+    Err(crate::features::missing("kafka", "--kafka"))
 }
 
 #[cfg(feature = "nats")]
@@ -321,24 +343,25 @@ async fn pubsub(
 
 #[cfg(not(feature = "pubsub"))]
 async fn pubsub(_: &str, _: &WorkerArgs, _: Config, _: Db, _: Credit, _: Signals) -> anyhow::Result<ExitCode> {
-    bail!("--pubsub: this idem is built without the `pubsub` feature")
+    Err(crate::features::missing("pubsub", "--pubsub"))
 }
 
 #[cfg(not(feature = "sqs"))]
 async fn sqs(_: &str, _: &WorkerArgs, _: Config, _: Db, _: Credit, _: Signals) -> anyhow::Result<ExitCode> {
-    bail!("--sqs: this idem is built without the `sqs` feature")
+    Err(crate::features::missing("sqs", "--sqs"))
 }
 
 #[cfg(not(feature = "rabbitmq"))]
 async fn rabbitmq(_: &str, _: &WorkerArgs, _: Config, _: Db, _: Credit, _: Signals) -> anyhow::Result<ExitCode> {
-    bail!("--rabbitmq: this idem is built without the `rabbitmq` feature")
+    Err(crate::features::missing("rabbitmq", "--rabbitmq"))
 }
 
 #[cfg(not(feature = "nats"))]
 async fn nats(_: &str, _: &WorkerArgs, _: Config, _: Db, _: Credit, _: Signals) -> anyhow::Result<ExitCode> {
-    bail!("--nats: this idem is built without the `nats` feature")
+    Err(crate::features::missing("nats", "--nats"))
 }
 
+#[cfg(feature = "kafka")]
 fn report_assignment(partitions: &[idem::source::Partition]) {
     let numbers: Vec<i32> = partitions.iter().map(|p| p.partition).collect();
     report_line(serde_json::json!({ "assigned": numbers }));

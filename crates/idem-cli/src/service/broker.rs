@@ -2,13 +2,17 @@
 //! it, `idem check` verifies with it what the broker must hold (the server answers to the credentials, the topics,
 //! streams, queues and subscriptions exist and may be read) without consuming anything.
 
-#![cfg_attr(not(all(feature = "nats", feature = "rabbitmq", feature = "sqs", feature = "pubsub")), allow(dead_code))]
+#![cfg_attr(
+    not(all(feature = "kafka", feature = "nats", feature = "rabbitmq", feature = "sqs", feature = "pubsub")),
+    allow(dead_code)
+)]
 
 use anyhow::bail;
 
 use super::plan::SourcePlan;
 
 /// The Kafka consumer's configuration.
+#[cfg(feature = "kafka")]
 pub fn kafka(source: &SourcePlan, exit_at_end: bool) -> anyhow::Result<idem::kafka::KafkaConfig> {
     let SourcePlan::Kafka { brokers, topics, settings, drain_timeout, accept_infinite_topic_retention } = source else {
         bail!("not a Kafka source")
@@ -129,6 +133,7 @@ pub fn pubsub(source: &SourcePlan, exit_at_end: bool) -> anyhow::Result<idem::pu
 pub async fn check(source: &SourcePlan, engine: &idem::Config) -> anyhow::Result<()> {
     match source {
         SourcePlan::Embedded { .. } | SourcePlan::Http { .. } => Ok(()),
+        #[cfg(feature = "kafka")]
         SourcePlan::Kafka { .. } => Ok(idem::kafka::check(&kafka(source, false)?, engine).await?),
         #[cfg(feature = "nats")]
         SourcePlan::Nats { .. } => Ok(idem::nats::check(&nats(source, false)?, engine).await?),
@@ -139,6 +144,9 @@ pub async fn check(source: &SourcePlan, engine: &idem::Config) -> anyhow::Result
         #[cfg(feature = "pubsub")]
         SourcePlan::PubSub { .. } => Ok(idem::pubsub::check(&pubsub(source, false)?, engine).await?),
         #[allow(unreachable_patterns)]
-        _ => bail!("this idem is built without the feature of this consumer's source: build it with that feature"),
+        _ => {
+            let _ = engine;
+            bail!("this idem is built without this consumer's source (see `idem check`)")
+        }
     }
 }

@@ -319,6 +319,7 @@ async fn start<DB: ServiceDb>(
             let source = log.consumer(&config.group, &topics, options)?;
             Ok(launch(engine, consumer, BoxedSource::new(source), handler, shutdown))
         }
+        #[cfg(feature = "kafka")]
         SourcePlan::Kafka { .. } => {
             let kafka = broker::kafka(&consumer.source, exit_at_end)?;
             let source = idem::kafka::KafkaSource::connect(&kafka, config).await?;
@@ -363,11 +364,7 @@ async fn start<DB: ServiceDb>(
             Ok(Box::pin(async move { ingress.serve(listener, &path, shutdown).await }))
         }
         #[allow(unreachable_patterns)]
-        _ => anyhow::bail!(
-            "this idem is built without the feature of this consumer's source (`nats`, `rabbitmq`, `sqs` or \
-             `pubsub`): build \
-             it with that feature, or choose another source"
-        ),
+        _ => anyhow::bail!("this idem is built without this consumer's source (see `idem check`)"),
     }
 }
 

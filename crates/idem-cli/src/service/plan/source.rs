@@ -107,6 +107,14 @@ pub(super) fn plan(
         );
         return None;
     }
+    let tables = ["embedded", "kafka", "nats", "rabbitmq", "sqs", "pubsub", "http"];
+    if let Some((table, _)) = tables.iter().zip(declared).find(|(_, d)| *d)
+        && crate::features::OPTIONAL.iter().any(|(feature, _)| feature == table)
+        && !crate::features::built_with(table)
+    {
+        let refusal = crate::features::missing(table, &format!("[consumer.{table}]"));
+        problems.line(line, &here(table), refusal.to_string());
+    }
     let topics = |problems: &mut Problems<'_>, topics: &[String], what: &str| {
         if topics.is_empty() || topics.iter().any(|t| t.trim().is_empty()) {
             problems.line(line, &here(what), "list at least one, none empty");
