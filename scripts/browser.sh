@@ -7,11 +7,9 @@
 # names her; a viewer cannot act; a request without a token and a form without its CSRF token are refused.
 # Then schemathesis (from PyPI, installed once beside playwright-core) runs the live console's JSON API against
 # its OpenAPI document for a bounded number of examples: no server error, every status and body as documented.
-# Usage: scripts/browser.sh [path/to/idem] [screenshot-dir]
+# Usage: scripts/browser.sh [path/to/idem] [screenshot-dir], or scripts/browser.sh --install (only what it needs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-idem="$(realpath "${1:-target/debug/idem}")"
-shots="${2:-}"
 tools="${IDEM_TOOLS:-$HOME/.cache/idem-tools}"
 
 if ! command -v chromium >/dev/null 2>&1; then
@@ -29,6 +27,9 @@ if [ ! -x "$tools/schemathesis/bin/schemathesis" ]; then
   python3 -m venv "$tools/schemathesis"
   "$tools/schemathesis/bin/pip" install --quiet schemathesis==4.32.5
 fi
+if [ "${1:-}" = "--install" ]; then exit 0; fi
+idem="$(realpath "${1:-target/debug/idem}")"
+shots="${2:-}"
 
 work="$(mktemp -d)"
 console_pid=""

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs idem's whole test suite: makes sure the services the tests use are up, then `cargo test`.
+# Runs idem's whole test suite: makes sure the services the tests use are up, then the tests (cargo-nextest, or
+# `cargo test` where it is not installed).
 # Kafka: the cluster at $IDEM_KAFKA_BROKERS, or scripts/kafka.sh starts a Kafka-compatible broker on 127.0.0.1:9092.
 # SQS: the server at $IDEM_SQS_ENDPOINT (`aws` for the standard AWS configuration's), or scripts/sqs.sh starts an
 # SQS-compatible server on 127.0.0.1:9324.
@@ -88,6 +89,8 @@ ensure_mysql() {
 
 # The documentation first (seconds): the README stays short and every relative link resolves.
 scripts/check-docs.sh
+# What the tests use that the machine lacks (Debian's packages, Python and npm tools; skipped when there).
+scripts/tools.sh
 ensure_postgres
 ensure_mysql
 ensure_nats
@@ -109,7 +112,14 @@ if [ -z "${IDEM_PUBSUB_EMULATOR_HOST:-}" ]; then
   trap 'scripts/pubsub.sh down >/dev/null' EXIT
 fi
 # The property tests of the parsers of untrusted bytes run 1,024 cases each (PROPTEST_CASES raises it).
-PROPTEST_CASES="${PROPTEST_CASES:-1024}" cargo test --workspace --all-targets --features idem-cli/full "$@"
+# cargo-nextest, where installed, runs the test binaries side by side (settings in .config/nextest.toml); else
+# `cargo test`, one binary after the other. Arguments go to either (a filter, for example).
+export PROPTEST_CASES="${PROPTEST_CASES:-1024}"
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --all-targets --features idem-cli/full "$@"
+else
+  cargo test --workspace --all-targets --features idem-cli/full "$@"
+fi
 cargo test --workspace --doc --features idem-cli/full
 # The examples run to their end and check their own results (order_sequence on PostgreSQL; orders_guarded
 # exits non-zero on any order in a wrong final state).
@@ -133,18 +143,11 @@ if command -v systemd-analyze >/dev/null 2>&1; then
   done
   rm -rf "$unit_dir"
 fi
-# wrk (Debian's package) loads the HTTP ingress in the benchmark for a few seconds, bounded by its -d.
-if ! command -v wrk >/dev/null 2>&1; then
-  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends wrk >/dev/null \
-    || echo "bench: wrk could not be installed; the HTTP legs are skipped" >&2
-fi
 # The benchmark's small version: every leg runs and every ledger total is right (speeds are not checked).
 # The Kafka leg is left to the Kafka tests above: the loopback broker delivers a few hundred messages a second.
-venv="${IDEM_BENCH_VENV:-$HOME/.cache/idem-tools/bench-venv}"
-if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import psycopg" 2>/dev/null; then
-  { python3 -m venv "$venv" && "$venv/bin/pip" install --quiet "psycopg[binary]>=3.1,<4"; } \
-    || echo "bench: psycopg 3 could not be installed; the reference leg is skipped" >&2
-fi
+# wrk loads the HTTP ingress for a few seconds, bounded by its -d; psycopg 3 runs the reference leg (both from
+# scripts/tools.sh).
+venv="${IDEM_BENCH_VENV:-${IDEM_TOOLS:-$HOME/.cache/idem-tools}/bench-venv}"
 python_arg=()
 if "$venv/bin/python" -c "import psycopg" 2>/dev/null; then python_arg=(--python "$venv/bin/python"); fi
 PUBSUB_EMULATOR_HOST="${IDEM_PUBSUB_EMULATOR_HOST:-127.0.0.1:8681}" \

@@ -1,8 +1,10 @@
 //! User code behind one interface: a [`Handler`] per message or a [`BatchHandler`] per batch ([`Apply`]), and
 //! what a partition worker does with a batch ([`Process`]: the marker path here, the Sequential Inbox elsewhere).
+//!
+//! Both are objects (their futures boxed, one allocation per batch): the run loop, the transaction order and the
+//! retry loop behind them are compiled once per database, not once per handler type of the program.
 
-use std::future::Future;
-
+use futures_util::future::BoxFuture;
 use tracing::Instrument;
 
 use super::Engine;
@@ -16,11 +18,11 @@ use crate::store::Backend;
 /// The two kinds of user code behind one interface.
 pub(crate) trait Apply<DB: Backend>: Send + Sync {
     /// Applies `fresh` (the new events, in order); on failure, the index into `fresh` when it is known.
-    fn apply(
-        &self,
-        fresh: &[&Event],
-        tx: &mut DB::Connection,
-    ) -> impl Future<Output = Result<(), (Option<usize>, HandlerError)>> + Send;
+    fn apply<'a>(
+        &'a self,
+        fresh: &'a [&'a Event],
+        tx: &'a mut DB::Connection,
+    ) -> BoxFuture<'a, Result<(), (Option<usize>, HandlerError)>>;
 }
 
 /// What a partition worker does with one batch of its partition's messages, in order; the engine's marker path
@@ -28,17 +30,17 @@ pub(crate) trait Apply<DB: Backend>: Send + Sync {
 pub(crate) trait Process<DB: Backend>: Send + Sync + 'static {
     /// Handles `batch` to the end (committed or dead-lettered), so that it can be acknowledged; says, for each
     /// message in order, whether it was dead-lettered.
-    fn process(
-        &self,
-        engine: &Engine<DB>,
+    fn process<'a>(
+        &'a self,
+        engine: &'a Engine<DB>,
         batch: Vec<Message>,
-        shutdown: &Shutdown,
-    ) -> impl Future<Output = Result<Vec<bool>, Error>> + Send;
+        shutdown: &'a Shutdown,
+    ) -> BoxFuture<'a, Result<Vec<bool>, Error>>;
 
     /// Tries the consumer's due parked messages again until `shutdown` (delayed retries, see
     /// [`crate::delayed_retry`]). The marker path's messages park; the default parks nothing and returns.
-    fn release_parked(&self, _engine: Engine<DB>, _shutdown: Shutdown) -> impl Future<Output = ()> + Send {
-        std::future::ready(())
+    fn release_parked(&self, _engine: Engine<DB>, _shutdown: Shutdown) -> BoxFuture<'_, ()> {
+        Box::pin(std::future::ready(()))
     }
 }
 
@@ -46,14 +48,21 @@ pub(crate) trait Process<DB: Backend>: Send + Sync + 'static {
 pub(super) struct Marked<A>(pub(super) A);
 
 impl<DB: Backend, A: Apply<DB> + 'static> Process<DB> for Marked<A> {
-    async fn process(&self, engine: &Engine<DB>, batch: Vec<Message>, shutdown: &Shutdown) -> Result<Vec<bool>, Error> {
-        let items = engine.items(batch);
-        let outcomes = engine.process_items(&items, &self.0, shutdown).await?;
-        Ok(outcomes.into_iter().map(|o| o == Outcome::DeadLettered).collect())
+    fn process<'a>(
+        &'a self,
+        engine: &'a Engine<DB>,
+        batch: Vec<Message>,
+        shutdown: &'a Shutdown,
+    ) -> BoxFuture<'a, Result<Vec<bool>, Error>> {
+        Box::pin(async move {
+            let items = engine.items(batch);
+            let outcomes = engine.process_items(&items, &self.0, shutdown).await?;
+            Ok(outcomes.into_iter().map(|o| o == Outcome::DeadLettered).collect())
+        })
     }
 
-    async fn release_parked(&self, engine: Engine<DB>, shutdown: Shutdown) {
-        engine.release_parked(&self.0, shutdown).await
+    fn release_parked(&self, engine: Engine<DB>, shutdown: Shutdown) -> BoxFuture<'_, ()> {
+        Box::pin(async move { engine.release_parked(&self.0, shutdown).await })
     }
 }
 
@@ -86,25 +95,41 @@ async fn apply_all<DB: Backend, B: BatchHandler<DB>>(
 }
 
 impl<DB: Backend, H: Handler<DB>> Apply<DB> for PerMessage<H> {
-    async fn apply(&self, fresh: &[&Event], tx: &mut DB::Connection) -> Result<(), (Option<usize>, HandlerError)> {
-        apply_each(&self.0, fresh, tx).await
+    fn apply<'a>(
+        &'a self,
+        fresh: &'a [&'a Event],
+        tx: &'a mut DB::Connection,
+    ) -> BoxFuture<'a, Result<(), (Option<usize>, HandlerError)>> {
+        Box::pin(apply_each(&self.0, fresh, tx))
     }
 }
 
 impl<DB: Backend, H: Handler<DB>> Apply<DB> for PerMessageRef<'_, H> {
-    async fn apply(&self, fresh: &[&Event], tx: &mut DB::Connection) -> Result<(), (Option<usize>, HandlerError)> {
-        apply_each(self.0, fresh, tx).await
+    fn apply<'a>(
+        &'a self,
+        fresh: &'a [&'a Event],
+        tx: &'a mut DB::Connection,
+    ) -> BoxFuture<'a, Result<(), (Option<usize>, HandlerError)>> {
+        Box::pin(apply_each(self.0, fresh, tx))
     }
 }
 
 impl<DB: Backend, B: BatchHandler<DB>> Apply<DB> for PerBatch<B> {
-    async fn apply(&self, fresh: &[&Event], tx: &mut DB::Connection) -> Result<(), (Option<usize>, HandlerError)> {
-        apply_all(&self.0, fresh, tx).await
+    fn apply<'a>(
+        &'a self,
+        fresh: &'a [&'a Event],
+        tx: &'a mut DB::Connection,
+    ) -> BoxFuture<'a, Result<(), (Option<usize>, HandlerError)>> {
+        Box::pin(apply_all(&self.0, fresh, tx))
     }
 }
 
 impl<DB: Backend, B: BatchHandler<DB>> Apply<DB> for PerBatchRef<'_, B> {
-    async fn apply(&self, fresh: &[&Event], tx: &mut DB::Connection) -> Result<(), (Option<usize>, HandlerError)> {
-        apply_all(self.0, fresh, tx).await
+    fn apply<'a>(
+        &'a self,
+        fresh: &'a [&'a Event],
+        tx: &'a mut DB::Connection,
+    ) -> BoxFuture<'a, Result<(), (Option<usize>, HandlerError)>> {
+        Box::pin(apply_all(self.0, fresh, tx))
     }
 }

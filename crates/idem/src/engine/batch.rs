@@ -119,10 +119,10 @@ impl<DB: Backend> Engine<DB> {
     }
 
     /// Handles `items` in order: commits as much of them together as possible, dead-letters the failures.
-    pub(crate) async fn process_items<A: Apply<DB>>(
+    pub(crate) async fn process_items(
         &self,
         items: &[Item],
-        apply: &A,
+        apply: &dyn Apply<DB>,
         shutdown: &Shutdown,
     ) -> Result<Vec<Outcome>, Error> {
         let mut outcomes = Vec::with_capacity(items.len());
@@ -240,10 +240,10 @@ impl<DB: Backend> Engine<DB> {
 
     /// Runs one transaction over `items`, retrying what a retry can fix: each message's outcome and when the
     /// committed transaction began (for the kill switch), or the failure to isolate.
-    pub(super) async fn attempt<A: Apply<DB>>(
+    pub(super) async fn attempt(
         &self,
         items: &[Item],
-        apply: &A,
+        apply: &dyn Apply<DB>,
         shutdown: &Shutdown,
     ) -> Result<Result<(Vec<Outcome>, Instant), Isolate>, Error> {
         let config = &self.inner.config;

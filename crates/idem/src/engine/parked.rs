@@ -175,7 +175,7 @@ impl<DB: Backend> Engine<DB> {
 
     /// The release loop of a run: tries due parked messages, one transaction each, until `shutdown`. Every
     /// failure is logged and left for the next look.
-    pub(super) async fn release_parked<A: Apply<DB>>(self, apply: &A, shutdown: Shutdown) {
+    pub(super) async fn release_parked(self, apply: &dyn Apply<DB>, shutdown: Shutdown) {
         let config = &self.inner.config;
         loop {
             if self.inner.breaker.open() {
@@ -215,7 +215,7 @@ impl<DB: Backend> Engine<DB> {
 
     /// Leases parked message `id` and tries it once; `true` when it left the table (applied, a duplicate, or
     /// dead-lettered).
-    async fn release_one<A: Apply<DB>>(&self, id: i64, apply: &A, shutdown: &Shutdown) -> Result<bool, Error> {
+    async fn release_one(&self, id: i64, apply: &dyn Apply<DB>, shutdown: &Shutdown) -> Result<bool, Error> {
         let (config, Some(retries)) = (&self.inner.config, self.delayed_retries()) else { return Ok(false) };
         let now = now_ms();
         let pool = &self.inner.pool;

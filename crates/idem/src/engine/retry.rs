@@ -120,16 +120,51 @@ pub(crate) async fn retry<T, F>(
 where
     F: Future<Output = Result<T, Failure>>,
 {
-    let (mut attempts, mut outages) = (0u32, 0u32);
+    // Only the call of the attempt is generic: what a failure gets, its log line and the sleep are written (and
+    // compiled) once for every kind of attempt.
+    let mut attempts = Attempts { config, shutdown, retrying, made: 0, outages: 0 };
     loop {
-        attempts += 1;
-        let delay = match attempt().await {
+        attempts.made += 1;
+        match attempt().await {
             Ok(value) => return Ok(value),
-            Err(Failure::Again) => {
-                attempts -= 1;
-                config.backoff.after(1)
+            Err(failure) => attempts.after(failure).await?,
+        }
+    }
+}
+
+/// The count of one [`retry`]'s attempts and outages, and what it does after a failed attempt.
+struct Attempts<'a> {
+    config: &'a Config,
+    shutdown: &'a Shutdown,
+    retrying: &'a Retrying<'a>,
+    made: u32,
+    outages: u32,
+}
+
+impl Attempts<'_> {
+    /// After the failed attempt: waits out the backoff when a retry can help, else returns what to give up with.
+    async fn after(&mut self, failure: Failure) -> Result<(), (u32, Failure)> {
+        let delay = self.delay(failure)?;
+        if self.shutdown.triggered() {
+            return Err((self.made, Failure::Stopped));
+        }
+        (self.retrying.on_retry)();
+        if self.shutdown.sleep(delay).await.is_err() {
+            return Err((self.made, Failure::Stopped));
+        }
+        Ok(())
+    }
+
+    /// How long to wait before the next attempt, or what to give up with.
+    fn delay(&mut self, failure: Failure) -> Result<Duration, (u32, Failure)> {
+        let (config, retrying) = (self.config, self.retrying);
+        match failure {
+            Failure::Again => {
+                self.made -= 1;
+                Ok(config.backoff.after(1))
             }
-            Err(Failure::Handler { at, error: HandlerError::Retryable(reason) }) => {
+            Failure::Handler { at, error: HandlerError::Retryable(reason) } => {
+                let attempts = self.made;
                 if attempts >= config.max_attempts {
                     // Still retryable: a second tier (delayed retries) may take it from here.
                     let reason = format!("gave up after {attempts} attempts: {reason}");
@@ -152,12 +187,12 @@ where
                     "retryable handler error; retrying {} (its partition waits)",
                     retrying.what
                 );
-                delay
+                Ok(delay)
             }
-            Err(Failure::Database(error)) if classify(&error) == Retry::Helps => {
-                attempts -= 1;
-                outages += 1;
-                let delay = config.backoff.after(outages);
+            Failure::Database(error) if classify(&error) == Retry::Helps => {
+                self.made -= 1;
+                self.outages += 1;
+                let (delay, outages) = (config.backoff.after(self.outages), self.outages);
                 immediate_retry(retrying.group, "database");
                 let (at, messages) = retrying.subject.locate(None);
                 tracing::warn!(
@@ -173,16 +208,9 @@ where
                     "database unavailable; retrying {}",
                     retrying.what
                 );
-                delay
+                Ok(delay)
             }
-            Err(failure) => return Err((attempts, failure)),
-        };
-        if shutdown.triggered() {
-            return Err((attempts, Failure::Stopped));
-        }
-        (retrying.on_retry)();
-        if shutdown.sleep(delay).await.is_err() {
-            return Err((attempts, Failure::Stopped));
+            failure => Err((self.made, failure)),
         }
     }
 }

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -20,7 +21,7 @@ use super::retry::Shutdown;
 use crate::backoff::sleep_unless_stopped;
 use crate::error::{Error, Retry};
 use crate::message::{AckHandle, Message};
-use crate::source::{Acknowledgement, Partition, Received, Source};
+use crate::source::{Acknowledgement, BoxedSource, Partition, Received, Source};
 use crate::store::Backend;
 
 impl<DB: Backend> Engine<DB> {
@@ -46,17 +47,30 @@ impl<DB: Backend> Engine<DB> {
         ended
     }
 
-    pub(crate) async fn run_with<S: Source, P: Process<DB>>(
+    /// Consumes `source` with `apply` until it ends, `shutdown` completes or an error stops it (see
+    /// [`Engine::run`]). Only this shell is generic: the run loop behind it is compiled once per database.
+    pub(crate) async fn run_with<S: Source>(
         &self,
         source: S,
-        apply: Arc<P>,
+        apply: Arc<dyn Process<DB>>,
         shutdown: impl Future + Send,
+    ) -> Result<StatsSnapshot, Error> {
+        let shutdown = std::pin::pin!(async move {
+            shutdown.await;
+        });
+        self.consume(BoxedSource::new(source), apply, shutdown).await
+    }
+
+    async fn consume(
+        &self,
+        source: BoxedSource,
+        apply: Arc<dyn Process<DB>>,
+        mut shutdown: Pin<&mut (dyn Future<Output = ()> + Send + '_)>,
     ) -> Result<StatsSnapshot, Error> {
         crate::telemetry::describe();
         crate::telemetry::zero_counters(&self.inner.config.group);
         let _ = self.inner.system.set(source.system());
         metrics::gauge!("idem_consumer_paused", "consumer_group" => self.inner.config.group.clone()).set(0.0);
-        let mut shutdown = std::pin::pin!(shutdown);
         // The layout check is the run's first statement: a database that is away is waited for, as later.
         let mut outages = 0u32;
         loop {
@@ -209,11 +223,11 @@ impl Worker {
 }
 
 impl<DB: Backend> Engine<DB> {
-    fn spawn_worker<S: Source, P: Process<DB>>(
+    fn spawn_worker(
         &self,
         partition: Partition,
-        source: Arc<S>,
-        apply: Arc<P>,
+        source: Arc<BoxedSource>,
+        apply: Arc<dyn Process<DB>>,
         fatal: mpsc::UnboundedSender<Error>,
     ) -> Worker {
         let batch_size = self.inner.config.batch_size;

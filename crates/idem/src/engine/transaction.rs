@@ -125,7 +125,6 @@ impl<DB: Backend> Engine<DB> {
         body: impl AsyncFnOnce(&mut DB::Connection) -> Result<End<T>, Failure>,
         report: impl FnOnce(&T),
     ) -> Result<(T, Option<sqlx::Transaction<'c, DB>>), Failure> {
-        let faults = self.inner.faults.get();
         let end = match body(&mut *tx).await {
             Ok(end) => end,
             Err(failure) => {
@@ -133,36 +132,55 @@ impl<DB: Backend> Engine<DB> {
                 return Err(failure);
             }
         };
-        let (value, user_writes, check, idem_wrote) = match end {
-            End::Rollback(value) => {
-                tx.rollback().await?;
-                report(&value);
-                return Ok((value, None));
-            }
-            End::Commit { value, user_writes, check_intact: check, idem_wrote } => {
-                (value, user_writes, check, idem_wrote)
+        let (value, ending) = match end {
+            End::Rollback(value) => (value, None),
+            End::Commit { value, user_writes, check_intact, idem_wrote } => {
+                (value, Some(Ending { user_writes, check_intact, idem_wrote }))
             }
         };
-        if let Some(faults) = faults {
-            faults.reached(FaultPoint::BeforeCommit);
-        }
-        let ended = if check {
-            DB::commit_intact(tx, idem_wrote).await
-        } else {
-            tx.commit().await.map_or_else(IntactCommit::CommitFailed, |()| IntactCommit::Committed(None))
-        };
-        let next = match ended {
-            IntactCommit::Committed(next) => next,
-            IntactCommit::Ended => return Err(Failure::Ended),
-            IntactCommit::Aborted(error) => return Err(aborted(error)),
-            IntactCommit::CommitFailed(error) => return Err(commit_failed(error, user_writes)),
-        };
+        let committed = ending.is_some();
+        let next = self.end_transaction(tx, ending).await?;
         report(&value);
-        if let Some(faults) = faults {
+        if let Some(faults) = self.inner.faults.get().filter(|_| committed) {
             faults.reached(FaultPoint::AfterCommit);
         }
         Ok((value, next))
     }
+
+    /// Ends a transaction whose body succeeded: rolled back when `ending` is `None`, else committed (with the
+    /// fault point before it and the intact check in its round trip when asked). Not generic over what the body
+    /// returns, so it is compiled once.
+    async fn end_transaction<'c>(
+        &self,
+        tx: sqlx::Transaction<'c, DB>,
+        ending: Option<Ending>,
+    ) -> Result<Option<sqlx::Transaction<'c, DB>>, Failure> {
+        let Some(Ending { user_writes, check_intact, idem_wrote }) = ending else {
+            tx.rollback().await?;
+            return Ok(None);
+        };
+        if let Some(faults) = self.inner.faults.get() {
+            faults.reached(FaultPoint::BeforeCommit);
+        }
+        let ended = if check_intact {
+            DB::commit_intact(tx, idem_wrote).await
+        } else {
+            tx.commit().await.map_or_else(IntactCommit::CommitFailed, |()| IntactCommit::Committed(None))
+        };
+        match ended {
+            IntactCommit::Committed(next) => Ok(next),
+            IntactCommit::Ended => Err(Failure::Ended),
+            IntactCommit::Aborted(error) => Err(aborted(error)),
+            IntactCommit::CommitFailed(error) => Err(commit_failed(error, user_writes)),
+        }
+    }
+}
+
+/// How a body that keeps its work wants its transaction committed (the fields of [`End::Commit`]).
+struct Ending {
+    user_writes: bool,
+    check_intact: bool,
+    idem_wrote: bool,
 }
 
 /// A dead-letter replay addressed to another consumer group: this group handled the original already.
@@ -174,7 +192,7 @@ impl<DB: Backend> Engine<DB> {
     /// The marker path: markers first, duplicates skipped, the handler on the new events.
     /// In the run loop, after a transaction of one message, the transaction a store opened while committing waits
     /// for the next batch (see [`super::warm`]), which takes it instead of a connection and a `BEGIN`.
-    pub(super) async fn transaction<A: Apply<DB>>(&self, items: &[Item], apply: &A) -> Result<Vec<Outcome>, Failure> {
+    pub(super) async fn transaction(&self, items: &[Item], apply: &dyn Apply<DB>) -> Result<Vec<Outcome>, Failure> {
         let started = std::time::Instant::now();
         let topic = items.first().map_or("", |i| i.message().topic.as_str());
         self.in_kept_transaction(
@@ -216,11 +234,11 @@ impl<DB: Backend> Engine<DB> {
         Ok(value)
     }
 
-    pub(super) async fn claim_and_apply<A: Apply<DB>>(
+    pub(super) async fn claim_and_apply(
         &self,
         tx: &mut DB::Connection,
         items: &[Item],
-        apply: &A,
+        apply: &dyn Apply<DB>,
     ) -> Result<End<Vec<Outcome>>, Failure> {
         let config = &self.inner.config;
 

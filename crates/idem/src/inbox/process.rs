@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
+use futures_util::future::BoxFuture;
 use sqlx::{Connection, PgConnection, Postgres};
 
 use super::store::{self, Status, Waiting};
@@ -25,17 +26,19 @@ pub(crate) struct InboxProcess<H> {
 }
 
 impl<H: Handler<Postgres>> Process<Postgres> for InboxProcess<H> {
-    async fn process(
-        &self,
-        _engine: &Engine<Postgres>,
+    fn process<'a>(
+        &'a self,
+        _engine: &'a Engine<Postgres>,
         batch: Vec<Message>,
-        shutdown: &Shutdown,
-    ) -> Result<Vec<bool>, Error> {
-        let outcomes = self.inbox.process_batch(batch, self.handler.as_ref(), shutdown).await?;
-        Ok(outcomes
-            .into_iter()
-            .map(|o| matches!(o, InboxOutcome::DeadLettered | InboxOutcome::Direct(Outcome::DeadLettered)))
-            .collect())
+        shutdown: &'a Shutdown,
+    ) -> BoxFuture<'a, Result<Vec<bool>, Error>> {
+        Box::pin(async move {
+            let outcomes = self.inbox.process_batch(batch, self.handler.as_ref(), shutdown).await?;
+            Ok(outcomes
+                .into_iter()
+                .map(|o| matches!(o, InboxOutcome::DeadLettered | InboxOutcome::Direct(Outcome::DeadLettered)))
+                .collect())
+        })
     }
 }
 
