@@ -122,11 +122,13 @@ else
 fi
 cargo test --workspace --doc --features idem-cli/full
 # The examples run to their end and check their own results (order_sequence on PostgreSQL; orders_guarded
-# exits non-zero on any order in a wrong final state).
-cargo run --quiet -p idem --example credit
-cargo run --quiet -p idem --example orders_guarded
+# exits non-zero on any order in a wrong final state). Built with the workspace's features, as the tests were
+# (a no-op after them): `cargo run -p idem` would build idem again with its own.
+cargo build --quiet --workspace --examples --features idem-cli/full
+target/debug/examples/credit
+target/debug/examples/orders_guarded
 IDEM_DATABASE_URL="${IDEM_EXAMPLE_DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}" \
-  cargo run --quiet -p idem --example order_sequence
+  target/debug/examples/order_sequence
 # The configuration examples (idem run, no Rust): the ledger exact, the outbox emits delivered by the relay.
 bash examples/config/run.sh target/debug/idem
 # The operator console in a real browser (Debian's Chromium and playwright-core, installed once if missing).
