@@ -11,9 +11,9 @@ use super::Engine;
 use super::apply::Apply;
 use super::outcome::Outcome;
 use super::retry::{Located, Retrying, Shutdown, Subject, retry};
-use super::transaction::Failure;
+use super::transaction::Isolate;
 use crate::config::Dedup;
-use crate::error::{Error, HandlerError};
+use crate::error::Error;
 use crate::key::MissingKey;
 use crate::kill_switch::Verdict;
 use crate::message::{Event, Message};
@@ -32,15 +32,6 @@ impl Item {
             Item::Unkeyed { message, .. } => message,
         }
     }
-}
-
-/// A failure to isolate in a batch: the message at fault when known, the reason, the attempts made.
-pub(super) struct Isolate {
-    at: Option<usize>,
-    reason: String,
-    attempts: u32,
-    /// The failure was retryable (the immediate retries ran out): a delayed retry may help.
-    retryable: bool,
 }
 
 /// Work left in a batch, in order.
@@ -278,23 +269,7 @@ impl<DB: Backend> Engine<DB> {
                 .record(started.elapsed().as_secs_f64());
                 Ok(Ok((outcomes, started)))
             }
-            Err((attempts, failure)) => match failure {
-                Failure::Handler { error: HandlerError::TransactionAborted(reason), .. } => {
-                    // Not this message's fault: the batch is re-run one message per transaction.
-                    Ok(Err(Isolate { at: None, reason, attempts, retryable: false }))
-                }
-                Failure::Handler { at, error } => {
-                    let retryable = matches!(error, HandlerError::Retryable(_));
-                    Ok(Err(Isolate { at, reason: error.reason().to_owned(), attempts, retryable }))
-                }
-                Failure::Ended => {
-                    let reason = HandlerError::ended_transaction().reason().to_owned();
-                    Ok(Err(Isolate { at: None, reason, attempts, retryable: false }))
-                }
-                Failure::Database(error) => Err(error.into()),
-                // `Stopped`: the consumer stops. `Again` is never final: the retry loop runs it again.
-                Failure::Again | Failure::Stopped => Err(Error::Stopped),
-            },
+            Err((attempts, failure)) => failure.isolate(attempts).map(Err),
         }
     }
 

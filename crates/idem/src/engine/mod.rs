@@ -41,7 +41,7 @@ pub use flow::Stalled;
 pub use outcome::{Committed, Health, Outcome, Stats, StatsSnapshot};
 pub(crate) use parked::now_ms;
 pub(crate) use retry::{One, Retrying, Shutdown, retry};
-pub(crate) use transaction::{End, Failure, check_intact, commit_failed};
+pub(crate) use transaction::{End, Failure, Isolate, check_intact, commit_failed};
 
 type CommitObserver = Arc<dyn Fn(&Committed) + Send + Sync>;
 

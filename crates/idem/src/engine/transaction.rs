@@ -16,7 +16,7 @@ use super::batch::Item;
 use super::outcome::Outcome;
 use super::retry::{One, Retrying, Shutdown, retry};
 use crate::config::{Dedup, IdReusePolicy};
-use crate::error::{HandlerError, Retry, classify};
+use crate::error::{Error, HandlerError, Retry, classify};
 use crate::fault::FaultPoint;
 use crate::message::{Event, Handled, Message};
 use crate::store::{Backend, Claim, IntactCommit, NewDeadLetter};
@@ -49,6 +49,39 @@ impl Failure {
     pub(crate) fn handler(error: HandlerError) -> Self {
         Failure::Handler { at: None, error }
     }
+
+    /// What a failure the retry loop gave up on after `attempts` means, written once for every way of claiming:
+    /// a message's failure to isolate and dead-letter (or park), or an error that stops the consumer (idem's own
+    /// statement failed for good, or the consumer was told to stop).
+    pub(crate) fn isolate(self, attempts: u32) -> Result<Isolate, Error> {
+        match self {
+            Failure::Handler { error: HandlerError::TransactionAborted(reason), .. } => {
+                // Not the failing message's fault: a batch is re-run one message per transaction.
+                Ok(Isolate { at: None, reason, attempts, retryable: false })
+            }
+            Failure::Handler { at, error } => {
+                let retryable = matches!(error, HandlerError::Retryable(_));
+                Ok(Isolate { at, reason: error.reason().to_owned(), attempts, retryable })
+            }
+            Failure::Ended => {
+                let reason = HandlerError::ended_transaction().reason().to_owned();
+                Ok(Isolate { at: None, reason, attempts, retryable: false })
+            }
+            Failure::Database(error) => Err(error.into()),
+            // `Stopped`: the consumer stops. `Again` is never final: the retry loop runs it again.
+            Failure::Again | Failure::Stopped => Err(Error::Stopped),
+        }
+    }
+}
+
+/// A failure to isolate: the message at fault when known (its index in the attempt's items), the reason, the
+/// attempts made.
+pub(crate) struct Isolate {
+    pub(crate) at: Option<usize>,
+    pub(crate) reason: String,
+    pub(crate) attempts: u32,
+    /// The failure was retryable (the immediate retries ran out): a delayed retry may help.
+    pub(crate) retryable: bool,
 }
 
 /// How a transaction body ends.

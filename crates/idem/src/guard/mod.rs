@@ -43,7 +43,7 @@
 //! # Ok(()) }
 //! ```
 
-mod schema;
+pub(crate) mod schema;
 mod state;
 mod version;
 

@@ -1,6 +1,7 @@
 //! What the guards need of a store: the user table's columns, checked at start-up, and the statements whose
 //! SQL differs between databases (binding an entity id, inserting a row unless it exists, updating by id,
-//! locking a row). What the guards do with them is written once, in `version` and `state`.
+//! locking a row). What the guards do with them is written once, in `version` and `state`; each store's
+//! statements are in its wing (`store::postgres::guards`, `store::sqlite::guards`, `store::mysql::guards`).
 
 use std::future::Future;
 
@@ -129,264 +130,7 @@ pub trait GuardStore: Backend + sealed::Sealed {
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 }
 
-impl GuardStore for sqlx::Postgres {
-    async fn columns(pool: &sqlx::PgPool, table: &str) -> Result<Option<Vec<Column>>, sqlx::Error> {
-        let rows = sqlx::query(
-            // The type without its length (`character varying`, not `character varying(20)`): a cast to a length
-            // would cut a longer id short instead of failing.
-            "SELECT a.attname::text, format_type(a.atttypid, NULL), a.attnotnull,
-                    a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> ''
-               FROM pg_attribute a
-              WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped
-              ORDER BY a.attnum",
-        )
-        .bind(table)
-        .fetch_all(pool)
-        .await?;
-        Ok(to_columns(&rows))
-    }
-
-    async fn unique(pool: &sqlx::PgPool, table: &str, column: &str) -> Result<bool, sqlx::Error> {
-        sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_index i
-                              JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
-                             WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indimmediate
-                               AND i.indisvalid AND i.indnkeyatts = 1 AND i.indpred IS NULL AND a.attname = $2)",
-        )
-        .bind(table)
-        .bind(column)
-        .fetch_one(pool)
-        .await
-    }
-
-    async fn converts(pool: &sqlx::PgPool, sql_type: &str, text: &str) -> Result<(), sqlx::Error> {
-        sqlx::query(&format!("SELECT CAST(CAST($1 AS {sql_type}) AS text)")).bind(text).execute(pool).await?;
-        Ok(())
-    }
-
-    fn param_as(sql_type: &str, n: usize) -> String {
-        format!("CAST(${n} AS {sql_type})")
-    }
-
-    fn is_integer(sql_type: &str) -> bool {
-        matches!(sql_type, "smallint" | "integer" | "bigint")
-    }
-
-    fn lock_row(table: &str, id: &str, id_param: &str, _touch: &str, columns: &str) -> String {
-        format!("SELECT {columns} FROM {table} WHERE {id} = {id_param} FOR UPDATE")
-    }
-
-    fn fetch_pair(
-        conn: &mut sqlx::PgConnection,
-        sql: &str,
-        binds: &[Bind<'_>],
-    ) -> impl Future<Output = Result<Option<Pair>, sqlx::Error>> + Send {
-        fetch_pair::<sqlx::Postgres>(conn, sql, binds)
-    }
-
-    fn execute(
-        conn: &mut sqlx::PgConnection,
-        sql: &str,
-        binds: &[Bind<'_>],
-    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send {
-        execute::<sqlx::Postgres>(conn, sql, binds)
-    }
-}
-
-impl GuardStore for sqlx::Sqlite {
-    async fn columns(pool: &sqlx::SqlitePool, table: &str) -> Result<Option<Vec<Column>>, sqlx::Error> {
-        // An INTEGER PRIMARY KEY is the rowid: filled by the database.
-        let rows = sqlx::query(
-            r#"SELECT name, type, "notnull" <> 0,
-                      dflt_value IS NOT NULL OR (pk = 1 AND upper(type) = 'INTEGER')
-                 FROM pragma_table_info($1) ORDER BY cid"#,
-        )
-        .bind(table)
-        .fetch_all(pool)
-        .await?;
-        Ok(to_columns(&rows))
-    }
-
-    async fn unique(pool: &sqlx::SqlitePool, table: &str, column: &str) -> Result<bool, sqlx::Error> {
-        sqlx::query_scalar(
-            r#"SELECT ((SELECT count(*) FROM pragma_table_info($1) WHERE pk > 0) = 1
-                       AND EXISTS (SELECT 1 FROM pragma_table_info($1) WHERE pk = 1 AND name = $2))
-                   OR EXISTS (SELECT 1 FROM pragma_index_list($1) l
-                               WHERE l."unique" = 1 AND l.partial = 0
-                                 AND (SELECT count(*) FROM pragma_index_info(l.name)) = 1
-                                 AND (SELECT name FROM pragma_index_info(l.name)) = $2)"#,
-        )
-        .bind(table)
-        .bind(column)
-        .fetch_one(pool)
-        .await
-    }
-
-    async fn converts(_pool: &sqlx::SqlitePool, _sql_type: &str, _text: &str) -> Result<(), sqlx::Error> {
-        // SQLite stores any value in any column.
-        Ok(())
-    }
-
-    fn param_as(_sql_type: &str, n: usize) -> String {
-        // The column's affinity converts the text (an INTEGER column compares and stores '42' as 42).
-        format!("${n}")
-    }
-
-    fn is_integer(sql_type: &str) -> bool {
-        // SQLite's affinity rule: a declared type containing "INT".
-        sql_type.to_ascii_uppercase().contains("INT")
-    }
-
-    fn lock_row(table: &str, id: &str, id_param: &str, touch: &str, columns: &str) -> String {
-        format!("UPDATE {table} SET {touch} = {touch} WHERE {id} = {id_param} RETURNING {columns}")
-    }
-
-    fn fetch_pair(
-        conn: &mut sqlx::SqliteConnection,
-        sql: &str,
-        binds: &[Bind<'_>],
-    ) -> impl Future<Output = Result<Option<Pair>, sqlx::Error>> + Send {
-        fetch_pair::<sqlx::Sqlite>(conn, sql, binds)
-    }
-
-    fn execute(
-        conn: &mut sqlx::SqliteConnection,
-        sql: &str,
-        binds: &[Bind<'_>],
-    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send {
-        execute::<sqlx::Sqlite>(conn, sql, binds)
-    }
-}
-
-impl GuardStore for sqlx::MySql {
-    async fn columns(pool: &sqlx::MySqlPool, table: &str) -> Result<Option<Vec<Column>>, sqlx::Error> {
-        // COLUMN_TYPE keeps an enum's labels (`enum('new','paid')`), which `converts` reads.
-        let rows: Vec<(String, String, i64, i64)> = sqlx::query_as(
-            "SELECT CAST(column_name AS CHAR), CAST(column_type AS CHAR), CAST(is_nullable = 'NO' AS SIGNED),
-                    CAST(column_default IS NOT NULL OR extra LIKE '%auto_increment%' OR extra LIKE '%GENERATED%'
-                         AS SIGNED)
-               FROM information_schema.columns
-              WHERE table_schema = DATABASE() AND table_name = ? ORDER BY ordinal_position",
-        )
-        .bind(table)
-        .fetch_all(pool)
-        .await?;
-        if rows.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(
-            rows.into_iter()
-                .map(|(name, sql_type, not_null, has_default)| Column {
-                    name,
-                    sql_type,
-                    not_null: not_null != 0,
-                    has_default: has_default != 0,
-                })
-                .collect(),
-        ))
-    }
-
-    async fn unique(pool: &sqlx::MySqlPool, table: &str, column: &str) -> Result<bool, sqlx::Error> {
-        let found: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM information_schema.statistics s
-              WHERE s.table_schema = DATABASE() AND s.table_name = ? AND s.non_unique = 0 AND s.column_name = ?
-                AND (SELECT COUNT(*) FROM information_schema.statistics o
-                      WHERE o.table_schema = s.table_schema AND o.table_name = s.table_name
-                        AND o.index_name = s.index_name) = 1",
-        )
-        .bind(table)
-        .bind(column)
-        .fetch_one(pool)
-        .await?;
-        Ok(found > 0)
-    }
-
-    /// An enum column holds only its labels; MySQL converts text to the other types as it stores it.
-    async fn converts(_pool: &sqlx::MySqlPool, sql_type: &str, text: &str) -> Result<(), sqlx::Error> {
-        let Some(labels) = sql_type.strip_prefix("enum(").and_then(|l| l.strip_suffix(')')) else {
-            return Ok(());
-        };
-        let labels: Vec<String> = labels.split(',').map(|l| l.trim_matches('\'').replace("''", "'")).collect();
-        if labels.iter().any(|l| l == text) {
-            return Ok(());
-        }
-        Err(sqlx::Error::Protocol(format!("not one of the enum's labels ({})", labels.join(", "))))
-    }
-
-    fn param_as(_sql_type: &str, _n: usize) -> String {
-        // MySQL converts the bound text to the column's type where it compares or stores it.
-        "?".to_owned()
-    }
-
-    fn param(_n: usize) -> String {
-        "?".to_owned()
-    }
-
-    fn as_text(expr: &str) -> String {
-        format!("CAST({expr} AS CHAR)")
-    }
-
-    fn as_bigint(expr: &str) -> String {
-        format!("CAST({expr} AS SIGNED)")
-    }
-
-    fn is_integer(sql_type: &str) -> bool {
-        let t = sql_type.to_ascii_lowercase();
-        ["tinyint", "smallint", "mediumint", "int", "bigint"].iter().any(|i| t.starts_with(i))
-    }
-
-    fn lock_row(table: &str, id: &str, id_param: &str, _touch: &str, columns: &str) -> String {
-        format!("SELECT {columns} FROM {table} WHERE {id} = {id_param} FOR UPDATE")
-    }
-
-    /// No `RETURNING` on `UPDATE`: the guard locks the row and reads it first.
-    fn next_version_upsert(_table: &str, _id: &str, _version: &str, _id_param: &str) -> Option<String> {
-        None
-    }
-
-    /// The values come in as a derived table (the `?` in bind order), inserted unless the id is there.
-    fn insert_absent(table: &str, id: &str, id_param: &str, others: &[(&str, String)]) -> String {
-        let columns: Vec<&str> = others.iter().map(|(c, _)| *c).collect();
-        let values: Vec<String> = others.iter().enumerate().map(|(n, (_, p))| format!("{p} AS v{n}")).collect();
-        let picked: Vec<String> = (0..others.len()).map(|n| format!("p.v{n}")).collect();
-        format!(
-            "INSERT INTO {table} ({id}, {}) SELECT p.id, {} FROM (SELECT {id_param} AS id, {}) p
-              WHERE NOT EXISTS (SELECT 1 FROM {table} e WHERE e.{id} = p.id)",
-            columns.join(", "),
-            picked.join(", "),
-            values.join(", ")
-        )
-    }
-
-    /// The id and the values as a derived table (the `?` in bind order), joined to the row.
-    fn update_by_id(table: &str, id: &str, id_param: &str, sets: &[(&str, String)]) -> String {
-        let values: Vec<String> = sets.iter().enumerate().map(|(n, (_, p))| format!("{p} AS v{n}")).collect();
-        let assign: Vec<String> = sets.iter().enumerate().map(|(n, (c, _))| format!("t.{c} = p.v{n}")).collect();
-        format!(
-            "UPDATE {table} t JOIN (SELECT {id_param} AS id, {}) p ON t.{id} = p.id SET {}",
-            values.join(", "),
-            assign.join(", ")
-        )
-    }
-
-    fn fetch_pair(
-        conn: &mut sqlx::MySqlConnection,
-        sql: &str,
-        binds: &[Bind<'_>],
-    ) -> impl Future<Output = Result<Option<Pair>, sqlx::Error>> + Send {
-        fetch_pair::<sqlx::MySql>(conn, sql, binds)
-    }
-
-    fn execute(
-        conn: &mut sqlx::MySqlConnection,
-        sql: &str,
-        binds: &[Bind<'_>],
-    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send {
-        execute::<sqlx::MySql>(conn, sql, binds)
-    }
-}
-
-fn to_columns<R: Row>(rows: &[R]) -> Option<Vec<Column>>
+pub(crate) fn to_columns<R: Row>(rows: &[R]) -> Option<Vec<Column>>
 where
     usize: sqlx::ColumnIndex<R>,
     for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
@@ -421,7 +165,11 @@ where
     })
 }
 
-async fn fetch_pair<DB>(conn: &mut DB::Connection, sql: &str, binds: &[Bind<'_>]) -> Result<Option<Pair>, sqlx::Error>
+pub(crate) async fn fetch_pair<DB>(
+    conn: &mut DB::Connection,
+    sql: &str,
+    binds: &[Bind<'_>],
+) -> Result<Option<Pair>, sqlx::Error>
 where
     DB: sqlx::Database,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
@@ -435,7 +183,7 @@ where
     row.map(|row| Ok((row.try_get(0)?, row.try_get(1)?))).transpose()
 }
 
-async fn execute<DB>(conn: &mut DB::Connection, sql: &str, binds: &[Bind<'_>]) -> Result<u64, sqlx::Error>
+pub(crate) async fn execute<DB>(conn: &mut DB::Connection, sql: &str, binds: &[Bind<'_>]) -> Result<u64, sqlx::Error>
 where
     DB: sqlx::Database,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::{Connection, PgConnection, Postgres, Row};
+use sqlx::{Connection, PgConnection, Postgres};
 
 use super::SequentialInbox;
 use super::process::Failure;
@@ -14,8 +14,7 @@ use super::store;
 use crate::engine::End;
 use crate::error::Error;
 use crate::handler::Handler;
-use crate::message::Message;
-use crate::store::{NewDeadLetter, Store, decode_headers};
+use crate::store::{NewDeadLetter, Store};
 
 /// What one housekeeping pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -62,28 +61,13 @@ impl SequentialInbox {
     async fn close_complete(&self) -> Result<u64, Error> {
         let tables = &self.engine.config().tables;
         let batch = i64::from(self.config.housekeeping.batch_size);
-        let sql = tables.render(
-            "UPDATE {t}sequence_instance SET status = 'CLOSED', closed_at = now()
-              WHERE id IN (SELECT i.id FROM {t}sequence_instance i
-                            WHERE i.sequence_name = $1 AND i.status = 'OPEN'
-                              AND (SELECT count(DISTINCT m.message_type) FROM {t}sequenced_message m
-                                    WHERE m.sequence_instance_id = i.id AND m.status = 'PROCESSED'
-                                      AND m.message_type = ANY($2)) = $3
-                            LIMIT $4 FOR UPDATE SKIP LOCKED)",
-        );
         let mut closed = 0;
         for sequence in &self.config.sequences {
             let types: Vec<String> = sequence.types.iter().map(|t| t.qualified.to_string()).collect();
             loop {
-                let done = sqlx::query(&sql)
-                    .bind(&sequence.name)
-                    .bind(&types)
-                    .bind(types.len() as i64)
-                    .bind(batch)
-                    .execute(self.engine.pool())
-                    .await?;
-                closed += done.rows_affected();
-                if done.rows_affected() < batch as u64 {
+                let done = store::close_complete(self.engine.pool(), tables, &sequence.name, &types, batch).await?;
+                closed += done;
+                if done < batch as u64 {
                     break;
                 }
             }
@@ -94,16 +78,8 @@ impl SequentialInbox {
     /// Handles the WAITING messages an operator released, instance by instance, under the instance lock.
     async fn release_forced<H: Handler<Postgres>>(&self, handler: &H) -> Result<u64, Error> {
         let tables = &self.engine.config().tables;
-        let sql = tables.render(
-            "SELECT DISTINCT i.id, i.sequence_name FROM {t}sequenced_message m
-               JOIN {t}sequence_instance i ON i.id = m.sequence_instance_id
-              WHERE m.status = 'WAITING' AND m.force_release
-              LIMIT $1",
-        );
-        let rows: Vec<(i64, String)> = sqlx::query_as(&sql)
-            .bind(i64::from(self.config.housekeeping.batch_size))
-            .fetch_all(self.engine.pool())
-            .await?;
+        let limit = i64::from(self.config.housekeeping.batch_size);
+        let rows = store::instances_with_forced(self.engine.pool(), tables, limit).await?;
         let mut released = 0;
         for (instance, name) in rows {
             let Some(sequence) = self.config.sequences.iter().position(|s| s.name == name) else {
@@ -148,26 +124,17 @@ impl SequentialInbox {
     async fn delete_expired(&self) -> Result<(u64, u64), Error> {
         let tables = &self.engine.config().tables;
         let housekeeping = &self.config.housekeeping;
-        let expired = tables.render(
-            "SELECT id FROM {t}sequence_instance
-              WHERE retain_until < now() - make_interval(secs => $1)
-              ORDER BY retain_until LIMIT $2 FOR UPDATE SKIP LOCKED",
-        );
-        let delete = tables.render("DELETE FROM {t}sequence_instance WHERE id = ANY($1)");
         let (mut deleted, mut reported) = (0u64, 0u64);
         loop {
             let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
             let mut tx = conn.begin().await?;
-            let ids: Vec<i64> = sqlx::query_scalar(&expired)
-                .bind(housekeeping.expiry_delay.as_secs_f64())
-                .bind(i64::from(housekeeping.batch_size))
-                .fetch_all(&mut *tx)
-                .await?;
+            let delay = housekeeping.expiry_delay.as_secs_f64();
+            let ids = store::lock_expired(&mut tx, tables, delay, i64::from(housekeeping.batch_size)).await?;
             if ids.is_empty() {
                 return Ok((deleted, reported));
             }
             reported += self.report_leftovers(&mut tx, &ids).await?;
-            deleted += sqlx::query(&delete).bind(&ids).execute(&mut *tx).await?.rows_affected();
+            deleted += store::delete_instances(&mut tx, tables, &ids).await?;
             tx.commit().await?;
             if ids.len() < housekeeping.batch_size as usize {
                 return Ok((deleted, reported));
@@ -179,30 +146,19 @@ impl SequentialInbox {
     /// Writes every WAITING or FAILED message of `instances` to the dead-letter table, with a log line each.
     async fn report_leftovers(&self, tx: &mut PgConnection, instances: &[i64]) -> Result<u64, Error> {
         let config = self.engine.config();
-        let sql = config.tables.render(
-            r#"SELECT i.sequence_name, i.context_id, i.retain_until::text, m.message_type, m.idempotence_id,
-                      m.status, m.error, m.topic, m.partition, m."offset", m.key, m.payload, m.headers
-                 FROM {t}sequenced_message m JOIN {t}sequence_instance i ON i.id = m.sequence_instance_id
-                WHERE m.sequence_instance_id = ANY($1) AND m.status IN ('WAITING', 'FAILED')
-                ORDER BY m.id"#,
-        );
-        let rows = sqlx::query(&sql).bind(instances).fetch_all(&mut *tx).await?;
-        for row in &rows {
-            let (sequence, context, until): (String, String, String) = (row.get(0), row.get(1), row.get(2));
-            let (message_type, id, status): (String, String, String) = (row.get(3), row.get(4), row.get(5));
-            let error: Option<String> = row.get(6);
-            let message = Message {
-                topic: row.get(7),
-                partition: row.get(8),
-                offset: row.get(9),
-                key: row.get(10),
-                payload: row.get::<Option<Vec<u8>>, _>(11).unwrap_or_default(),
-                headers: decode_headers(row.get::<&str, _>(12)),
-                timestamp_ms: None,
-                ack_handle: None,
-                dead_letter_reason: None,
-            };
-            let reason = match (status.as_str(), error) {
+        let leftovers = store::leftovers(&mut *tx, &config.tables, instances).await?;
+        for store::Leftover {
+            sequence,
+            context,
+            retain_until: until,
+            message_type,
+            idempotence_id: id,
+            status,
+            error,
+            message,
+        } in &leftovers
+        {
+            let reason = match (status.as_str(), error.as_deref()) {
                 ("FAILED", Some(error)) => format!(
                     "`{message_type}` {id}: sequence `{sequence}` instance `{context}` expired (retain_until \
                      {until}) holding this message FAILED: {error}"
@@ -217,31 +173,19 @@ impl SequentialInbox {
                 "expired inbox instance still held this message: written to the dead-letter table");
             // Stored by position: ids are unique per message type only, and two types' leftovers must not
             // overwrite each other's row.
-            let letter = NewDeadLetter { event_id: None, message: &message, error: &reason, attempts: 0 };
+            let letter = NewDeadLetter { event_id: None, message, error: &reason, attempts: 0 };
             Postgres::dead_letter(tx, &config.tables, &config.group, &letter).await?;
         }
-        Ok(rows.len() as u64)
+        Ok(leftovers.len() as u64)
     }
 
     /// Sets the gauges: waiting messages, oldest waiting age, instances expiring soon and expired, per sequence.
     async fn publish_gauges(&self) -> Result<(), Error> {
         let config = self.engine.config();
         let pool = self.engine.pool();
-        let waiting = config.tables.render(
-            "SELECT i.sequence_name, count(*), EXTRACT(EPOCH FROM now() - min(m.received_at))::float8
-               FROM {t}sequenced_message m JOIN {t}sequence_instance i ON i.id = m.sequence_instance_id
-              WHERE m.status = 'WAITING' GROUP BY i.sequence_name",
-        );
-        let waiting: Vec<(String, i64, f64)> = sqlx::query_as(&waiting).fetch_all(pool).await?;
-        let expiring = config.tables.render(
-            "SELECT sequence_name, count(*) FILTER (WHERE retain_until >= now()), count(*) FILTER (WHERE retain_until < now())
-               FROM {t}sequence_instance WHERE retain_until < now() + make_interval(secs => $1)
-              GROUP BY sequence_name",
-        );
-        let expiring: Vec<(String, i64, i64)> = sqlx::query_as(&expiring)
-            .bind(self.config.housekeeping.expiring_soon.as_secs_f64())
-            .fetch_all(pool)
-            .await?;
+        let waiting = store::waiting_by_sequence(pool, &config.tables).await?;
+        let soon = self.config.housekeeping.expiring_soon.as_secs_f64();
+        let expiring = store::expiring_by_sequence(pool, &config.tables, soon).await?;
         for sequence in &self.config.sequences {
             let labels = [("consumer_group", config.group.clone()), ("sequence", sequence.name.clone())];
             let (count, oldest) = waiting.iter().find(|w| w.0 == sequence.name).map_or((0, 0.0), |w| (w.1, w.2));

@@ -64,12 +64,13 @@
 //! release = { all = [{ predecessor = "OrderValidated/stock" }, { predecessor = "OrderCreated" }] }
 //! ```
 
-pub mod admin;
+pub use crate::store::postgres::inbox::admin;
 mod housekeeping;
 mod instances;
 mod model;
 mod process;
-mod store;
+
+use crate::store::postgres::inbox as store;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -12,7 +12,7 @@ use super::store::{self, Status, Waiting};
 use super::{InboxOutcome, InboxTransactions, QualifiedType, Route, Sequenced, SequentialInbox};
 pub(crate) use crate::engine::Failure;
 use crate::engine::{
-    End, Engine, One, Outcome, PerMessageRef, Process, Retrying, Shutdown, check_intact, commit_failed, retry,
+    End, Engine, Isolate, One, Outcome, PerMessageRef, Process, Retrying, Shutdown, check_intact, commit_failed, retry,
 };
 use crate::error::{Error, HandlerError};
 use crate::handler::Handler;
@@ -127,16 +127,12 @@ impl SequentialInbox {
             self.attempt(sequenced, handler, shutdown).await
         })
         .await;
-        let (reason, attempts) = match result {
+        let Isolate { reason, attempts, .. } = match result {
             Ok(outcome) => {
                 self.count_outcome(sequenced, outcome);
                 return Ok(outcome);
             }
-            Err((attempts, Failure::Handler { error, .. })) => (error.reason().to_owned(), attempts),
-            Err((attempts, Failure::Ended)) => (HandlerError::ended_transaction().reason().to_owned(), attempts),
-            Err((_, Failure::Database(error))) => return Err(error.into()),
-            // `Stopped`: the consumer stops. `Again` is never final: the retry loop runs it again.
-            Err((_, Failure::Again | Failure::Stopped)) => return Err(Error::Stopped),
+            Err((attempts, failure)) => failure.isolate(attempts)?,
         };
         // The claim was rolled back with the attempt: a resend of this message can claim it again.
         let m = &sequenced.event.message;

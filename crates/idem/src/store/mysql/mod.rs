@@ -37,6 +37,7 @@ use crate::store::{
     encode_headers, judge_existing, payload_digest,
 };
 
+mod guards;
 mod outbox;
 
 static MIGRATIONS: [Migration; 9] = [

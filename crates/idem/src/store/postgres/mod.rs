@@ -1,6 +1,9 @@
 //! PostgreSQL: markers claimed for a whole batch with one `INSERT … SELECT FROM UNNEST … ON CONFLICT DO
 //! NOTHING RETURNING`, one prepared statement whatever the batch size.
 
+mod guards;
+pub(crate) mod inbox;
+mod outbox;
 pub mod partitions;
 
 use std::collections::HashSet;

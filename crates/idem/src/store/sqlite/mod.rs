@@ -1,6 +1,9 @@
 //! SQLite: the embedded default. Markers are claimed row by row (no round trips in-process); a database file is
 //! opened in WAL mode with a busy timeout, so a second writer waits instead of failing.
 
+mod guards;
+mod outbox;
+
 use sqlx::{Connection, Sqlite, SqliteConnection};
 
 use crate::config::MarkerLayout;

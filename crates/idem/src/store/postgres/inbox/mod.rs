@@ -1,6 +1,9 @@
-//! The inbox's statements (PostgreSQL): instances, the claim, sequenced messages.
+//! The Sequential Inbox's statements (PostgreSQL only): instances, the claim and the instance lock, sequenced
+//! messages, housekeeping's batches and gauges; `admin` holds the operator's (`idem inbox …`).
 
-use sqlx::{PgConnection, Row};
+pub mod admin;
+
+use sqlx::{PgConnection, PgPool, Row};
 
 use crate::message::Message;
 use crate::store::{Tables, decode_headers, encode_headers};
@@ -383,4 +386,147 @@ pub(crate) async fn close(conn: &mut PgConnection, tables: &Tables, instance: i6
     );
     sqlx::query(&sql).bind(instance).execute(conn).await?;
     Ok(())
+}
+
+/// Closes at most `batch` OPEN instances of `sequence` whose every type (`types`) was processed, skipping those a
+/// consumer holds; returns how many it closed.
+pub(crate) async fn close_complete(
+    pool: &PgPool,
+    tables: &Tables,
+    sequence: &str,
+    types: &[String],
+    batch: i64,
+) -> Result<u64, sqlx::Error> {
+    let sql = tables.render_once(
+        "UPDATE {t}sequence_instance SET status = 'CLOSED', closed_at = now()
+          WHERE id IN (SELECT i.id FROM {t}sequence_instance i
+                        WHERE i.sequence_name = $1 AND i.status = 'OPEN'
+                          AND (SELECT count(DISTINCT m.message_type) FROM {t}sequenced_message m
+                                WHERE m.sequence_instance_id = i.id AND m.status = 'PROCESSED'
+                                  AND m.message_type = ANY($2)) = $3
+                        LIMIT $4 FOR UPDATE SKIP LOCKED)",
+    );
+    let done = sqlx::query(&sql).bind(sequence).bind(types).bind(types.len() as i64).bind(batch).execute(pool).await?;
+    Ok(done.rows_affected())
+}
+
+/// At most `limit` instances (id and sequence name) holding WAITING messages an operator released.
+pub(crate) async fn instances_with_forced(
+    pool: &PgPool,
+    tables: &Tables,
+    limit: i64,
+) -> Result<Vec<(i64, String)>, sqlx::Error> {
+    let sql = tables.render_once(
+        "SELECT DISTINCT i.id, i.sequence_name FROM {t}sequenced_message m
+           JOIN {t}sequence_instance i ON i.id = m.sequence_instance_id
+          WHERE m.status = 'WAITING' AND m.force_release
+          LIMIT $1",
+    );
+    sqlx::query_as(&sql).bind(limit).fetch_all(pool).await
+}
+
+/// Locks (skipping those a consumer holds) and returns at most `batch` instances past `retain_until` plus
+/// `delay_secs`, oldest first, in the caller's transaction.
+pub(crate) async fn lock_expired(
+    conn: &mut PgConnection,
+    tables: &Tables,
+    delay_secs: f64,
+    batch: i64,
+) -> Result<Vec<i64>, sqlx::Error> {
+    let sql = tables.render_once(
+        "SELECT id FROM {t}sequence_instance
+          WHERE retain_until < now() - make_interval(secs => $1)
+          ORDER BY retain_until LIMIT $2 FOR UPDATE SKIP LOCKED",
+    );
+    sqlx::query_scalar(&sql).bind(delay_secs).bind(batch).fetch_all(conn).await
+}
+
+/// Deletes the instances `ids` (their claims and messages go by cascade); returns how many it deleted.
+pub(crate) async fn delete_instances(
+    conn: &mut PgConnection,
+    tables: &Tables,
+    ids: &[i64],
+) -> Result<u64, sqlx::Error> {
+    let sql = tables.render_once("DELETE FROM {t}sequence_instance WHERE id = ANY($1)");
+    Ok(sqlx::query(&sql).bind(ids).execute(conn).await?.rows_affected())
+}
+
+/// A WAITING or FAILED message of an instance about to be deleted.
+pub(crate) struct Leftover {
+    pub sequence: String,
+    pub context: String,
+    /// The instance's `retain_until`, as text.
+    pub retain_until: String,
+    pub message_type: String,
+    pub idempotence_id: String,
+    pub status: String,
+    pub error: Option<String>,
+    pub message: Message,
+}
+
+/// The WAITING or FAILED messages of `instances`, in arrival order, in the caller's transaction.
+pub(crate) async fn leftovers(
+    conn: &mut PgConnection,
+    tables: &Tables,
+    instances: &[i64],
+) -> Result<Vec<Leftover>, sqlx::Error> {
+    let sql = tables.render_once(
+        r#"SELECT i.sequence_name, i.context_id, i.retain_until::text, m.message_type, m.idempotence_id,
+                  m.status, m.error, m.topic, m.partition, m."offset", m.key, m.payload, m.headers
+             FROM {t}sequenced_message m JOIN {t}sequence_instance i ON i.id = m.sequence_instance_id
+            WHERE m.sequence_instance_id = ANY($1) AND m.status IN ('WAITING', 'FAILED')
+            ORDER BY m.id"#,
+    );
+    let rows = sqlx::query(&sql).bind(instances).fetch_all(conn).await?;
+    rows.iter()
+        .map(|row| {
+            Ok(Leftover {
+                sequence: row.try_get(0)?,
+                context: row.try_get(1)?,
+                retain_until: row.try_get(2)?,
+                message_type: row.try_get(3)?,
+                idempotence_id: row.try_get(4)?,
+                status: row.try_get(5)?,
+                error: row.try_get(6)?,
+                message: Message {
+                    topic: row.try_get(7)?,
+                    partition: row.try_get(8)?,
+                    offset: row.try_get(9)?,
+                    key: row.try_get(10)?,
+                    payload: row.try_get::<Option<Vec<u8>>, _>(11)?.unwrap_or_default(),
+                    headers: decode_headers(row.try_get::<&str, _>(12)?),
+                    timestamp_ms: None,
+                    ack_handle: None,
+                    dead_letter_reason: None,
+                },
+            })
+        })
+        .collect()
+}
+
+/// Per sequence: its WAITING messages and the age in seconds of the oldest.
+pub(crate) async fn waiting_by_sequence(
+    pool: &PgPool,
+    tables: &Tables,
+) -> Result<Vec<(String, i64, f64)>, sqlx::Error> {
+    let sql = tables.render_once(
+        "SELECT i.sequence_name, count(*), EXTRACT(EPOCH FROM now() - min(m.received_at))::float8
+           FROM {t}sequenced_message m JOIN {t}sequence_instance i ON i.id = m.sequence_instance_id
+          WHERE m.status = 'WAITING' GROUP BY i.sequence_name",
+    );
+    sqlx::query_as(&sql).fetch_all(pool).await
+}
+
+/// Per sequence: instances whose `retain_until` falls within `soon_secs` (not yet passed), and those past it.
+pub(crate) async fn expiring_by_sequence(
+    pool: &PgPool,
+    tables: &Tables,
+    soon_secs: f64,
+) -> Result<Vec<(String, i64, i64)>, sqlx::Error> {
+    let sql = tables.render_once(
+        "SELECT sequence_name, count(*) FILTER (WHERE retain_until >= now()), count(*) FILTER (WHERE retain_until < now())
+           FROM {t}sequence_instance WHERE retain_until < now() + make_interval(secs => $1)
+          GROUP BY sequence_name",
+    );
+    sqlx::query_as(&sql).bind(soon_secs).fetch_all(pool).await
 }
