@@ -1,6 +1,6 @@
 //! The NATS JetStream, RabbitMQ and Google Pub/Sub legs: the events loaded into the broker, then per run read and
-//! acknowledged only (the broker's read limit through idem's own source, no database) and consumed end to end by
-//! idem with the batch handler (batch 1000), each from the first message to the last commit.
+//! acknowledged as idem does but with no database (the broker's read limit, `read_limit`) and consumed end to end
+//! by idem with the batch handler (batch 1000), each from the first message to the last commit.
 
 use super::*;
 
@@ -71,7 +71,7 @@ async fn broker_legs<B: BrokerLeg>(
     };
     for run in 0..args.runs {
         let read_config = config(format!("bench-read-{nanos}-{run}"));
-        reads.push(read_limit(broker.source(&read_config).await?).await?);
+        reads.push(read_limit::read_as_idem_does(broker.source(&read_config).await?, 1000).await?.per_second);
         if broker.reading_consumes() {
             broker.load(&records).await?;
         }
@@ -87,51 +87,12 @@ async fn broker_legs<B: BrokerLeg>(
     }
     broker.remove().await;
     let read = Leg::new(
-        format!("{} read limit: read and acknowledge only, no database ({events} events)", broker.name()),
+        format!("{} read limit: read and acknowledged as idem does, no database ({events} events)", broker.name()),
         reads,
     );
     let idem =
         Leg::new(format!("idem end to end from {}, batched 1000, 4 partitions ({events} events)", broker.name()), runs);
     Ok((read, idem))
-}
-
-/// Reads the source to its end, acknowledging every thousand messages; the rate from the first message to the
-/// last (the wait that tells the end is not counted).
-async fn read_limit<S: idem::Source>(source: S) -> anyhow::Result<f64> {
-    let (mut count, mut first, mut last, mut batch) = (0u64, None, Instant::now(), Vec::with_capacity(1000));
-    let mut pending: std::collections::BTreeMap<(String, i32), Vec<Message>> = std::collections::BTreeMap::new();
-    loop {
-        match source.recv().await? {
-            Some(Received::Message(m)) => {
-                first.get_or_insert_with(Instant::now);
-                last = Instant::now();
-                count += 1;
-                batch.push(m);
-                if batch.len() == 1000 {
-                    for m in batch.drain(..) {
-                        pending.entry((m.topic.clone(), m.partition)).or_default().push(m);
-                    }
-                    for (_, messages) in std::mem::take(&mut pending) {
-                        if let Some(ack) = Acknowledgement::of(&messages) {
-                            source.ack(&ack).await?;
-                        }
-                    }
-                }
-            }
-            Some(Received::Revoked { drained, .. }) => drained.done(),
-            None => break,
-        }
-    }
-    for m in batch.drain(..) {
-        pending.entry((m.topic.clone(), m.partition)).or_default().push(m);
-    }
-    for (_, messages) in pending {
-        if let Some(ack) = Acknowledgement::of(&messages) {
-            source.ack(&ack).await?;
-        }
-    }
-    let first = first.context("nothing was read")?;
-    Ok(count.saturating_sub(1) as f64 / last.duration_since(first).as_secs_f64().max(1e-3))
 }
 
 /// Consumes the source to its end with the batch handler; the rate from the first commit to the last.

@@ -23,7 +23,7 @@ pub struct ConsumeArgs {
     /// librdkafka consumer settings, KEY=VALUE.
     #[arg(long = "kafka-setting")]
     kafka_settings: Vec<String>,
-    /// Read and acknowledge only, no database: the broker's own delivery rate.
+    /// Read and acknowledge as idem does, no database: the broker's own delivery rate.
     #[arg(long)]
     read_only: bool,
 }
@@ -71,7 +71,7 @@ pub(super) async fn kafka_leg(
     leg.peak_rss_mib = Some((peak * 10.0).round() / 10.0);
     leg.rss_mib_at_quarters = Some(quarters);
     let read = Leg::new(
-        format!("Kafka read limit: read and acknowledge only, no database ({} events)", args.kafka_events),
+        format!("Kafka read limit: read and acknowledged as idem does, no database ({} events)", args.kafka_events),
         reads,
     );
     Ok((read, leg))
@@ -126,7 +126,7 @@ pub async fn consume(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
     }
     let source = idem::kafka::KafkaSource::connect(&kafka, &config).await?;
     if args.read_only {
-        return read_only(source).await;
+        return read_only(source, args.batch_size).await;
     }
     let progress = Arc::new(Mutex::new(Progress::default()));
     let observer = {
@@ -155,24 +155,10 @@ pub async fn consume(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Reads the topic to its end, acknowledging every message, and prints the rate from the first to the last.
-async fn read_only(source: idem::kafka::KafkaSource) -> anyhow::Result<ExitCode> {
-    let (mut count, mut first, mut last) = (0u64, None, Instant::now());
-    loop {
-        match source.recv().await? {
-            Some(Received::Message(m)) => {
-                first.get_or_insert_with(Instant::now);
-                last = Instant::now();
-                count += 1;
-                source.ack(&idem::Acknowledgement::up_to(m.topic.clone(), m.partition, m.offset)).await?;
-            }
-            Some(Received::Revoked { drained, .. }) => drained.done(),
-            None => break,
-        }
-    }
-    let first = first.context("nothing was consumed")?;
-    let span = last.duration_since(first).max(Duration::from_millis(1));
-    println!("{}", serde_json::json!({ "read": count, "per_second": count as f64 / span.as_secs_f64() }));
+/// Reads the topic to its end as idem does (`read_limit`), batches of `batch_size`, and prints its rate.
+async fn read_only(source: idem::kafka::KafkaSource, batch_size: usize) -> anyhow::Result<ExitCode> {
+    let read = super::read_limit::read_as_idem_does(source, batch_size).await?;
+    println!("{}", serde_json::json!({ "read": read.count, "per_second": read.per_second }));
     Ok(ExitCode::SUCCESS)
 }
 

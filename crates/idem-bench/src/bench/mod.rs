@@ -36,6 +36,7 @@ mod kafka;
 mod mysql;
 mod outbox;
 mod ratios;
+mod read_limit;
 
 use idem_legs::{CreditAll, HandlerKind, idem_leg, inbox_leg, raw_batched};
 use kafka::kafka_leg;

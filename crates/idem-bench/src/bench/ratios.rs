@@ -75,10 +75,6 @@ pub(super) fn ratios(legs: &[Leg], grown_markers: u64) -> Vec<(String, f64)> {
             median(&super::mysql::raw_batched_name(batch)),
         );
     }
-    let kafka = legs.iter().find(|l| l.name.starts_with("idem end to end from Kafka")).map(|l| l.median);
-    let read = legs.iter().find(|l| l.name.starts_with("Kafka read limit")).map(|l| l.median);
-    ratio("idem from Kafka ÷ batched SQL limit 1000".into(), kafka, median("batched SQL limit 1000"));
-    ratio("idem from Kafka ÷ Kafka read limit".into(), kafka, read);
     ratio(
         "outbox: batched 1000 with an enqueue per event ÷ without".into(),
         median("idem batched 1000, batch handler, with an outbox enqueue per event"),
@@ -94,11 +90,23 @@ pub(super) fn ratios(legs: &[Leg], grown_markers: u64) -> Vec<(String, f64)> {
         median("idem relay to Kafka"),
         median("Kafka produce limit (1,000 awaited at a time)"),
     );
-    for broker in ["NATS JetStream", "RabbitMQ", "Pub/Sub emulator", "Pub/Sub"] {
+    // A broker leg's ceiling is the lower of the broker's read limit (read as idem reads, no database) and the
+    // database's batched limit: idem end to end can reach neither alone.
+    let database = median("batched SQL limit 1000");
+    for broker in ["Kafka", "NATS JetStream", "RabbitMQ", "Pub/Sub emulator", "Pub/Sub"] {
         let idem =
             legs.iter().find(|l| l.name.starts_with(&format!("idem end to end from {broker}"))).map(|l| l.median);
         let read = legs.iter().find(|l| l.name.starts_with(&format!("{broker} read limit"))).map(|l| l.median);
         ratio(format!("idem from {broker} ÷ {broker} read limit"), idem, read);
+        let ceiling = match (read, database) {
+            (Some(read), Some(database)) => Some(read.min(database)),
+            _ => None,
+        };
+        ratio(
+            format!("idem from {broker} ÷ its ceiling (the lower of its read limit and the batched SQL limit 1000)"),
+            idem,
+            ceiling,
+        );
     }
     out
 }
