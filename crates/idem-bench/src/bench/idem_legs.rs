@@ -170,15 +170,29 @@ pub(super) async fn finished(
     Ok(work.deliveries.len() as f64 / seconds)
 }
 
+/// The name of the Sequential Inbox leg, on empty tables (`open` 0) or beside `open` open instances.
+pub(super) fn inbox_name(open: u64) -> String {
+    match open {
+        0 => "idem Sequential Inbox, 4 partition(s), released on arrival".to_owned(),
+        n => format!("idem Sequential Inbox, 4 partition(s), released on arrival, {n} open instances already there"),
+    }
+}
+
 /// The Sequential Inbox on the same events: each payment is a `Credit` of the sequence of its account, released
 /// on arrival, so every event pays the inbox's whole path (instance, claim, lock, lookup, record, release scan).
+/// With `open` above 0, that many other instances are open already, each with one processed message and its
+/// claim (loaded untimed).
 pub(super) async fn inbox_leg(
     pool: &PgPool,
     args: &BenchArgs,
     work: &Workload,
     partitions: i32,
+    open: u64,
 ) -> anyhow::Result<f64> {
     let tables = fresh_tables(pool, args.accounts).await?;
+    if open > 0 {
+        load_open_instances(pool, open).await?;
+    }
     let engine_pool = idem::postgres::connect(&args.database_url, partitions as u32 + 2).await?;
     let config = Config::new(GROUP, KeyExtractor::JsonPointer("/id".into())).batch_size(1).tables(tables);
     let sequences = r#"
@@ -210,10 +224,33 @@ pub(super) async fn inbox_leg(
     check_ledger(pool, "inbox", work.expected_total, 0).await?;
     let claims: i64 =
         sqlx::query_scalar("SELECT count(*) FROM bench_sequential_inbox_idempotence").fetch_one(pool).await?;
-    if claims != work.unique as i64 {
-        bail!("inbox leg: {claims} claims for {} events", work.unique);
+    if claims != work.unique as i64 + open as i64 {
+        bail!("inbox leg: {claims} claims for {} events and {open} loaded", work.unique);
     }
     Ok(work.deliveries.len() as f64 / seconds)
+}
+
+/// Loads `open` open instances of the leg's sequence, each with one processed `Credit` and its claim, then
+/// analyzes the tables; none of their context ids is an account's.
+async fn load_open_instances(pool: &PgPool, open: u64) -> anyhow::Result<()> {
+    let open = i64::try_from(open)?;
+    for sql in [
+        "INSERT INTO bench_sequence_instance (sequence_name, context_id, retain_until)
+         SELECT 'account', 'open-' || g, now() + interval '1 day' FROM generate_series(1, $1) g",
+        r#"INSERT INTO bench_sequenced_message (sequence_instance_id, message_type, idempotence_id, status, topic,
+                                               partition, "offset", headers, processed_at)
+           SELECT id, 'Credit', 'open-' || id, 'PROCESSED', 'payments', 0, id, '{}', now()
+             FROM bench_sequence_instance WHERE $1 > 0"#,
+        "INSERT INTO bench_sequential_inbox_idempotence (message_type, idempotence_id, sequence_instance_id, created_at)
+         SELECT 'Credit', 'open-' || id, id, now() FROM bench_sequence_instance WHERE $1 > 0",
+    ] {
+        sqlx::query(sql).bind(open).execute(pool).await?;
+    }
+    sqlx::query("VACUUM ANALYZE bench_sequence_instance, bench_sequenced_message, bench_sequential_inbox_idempotence")
+        .execute(pool)
+        .await?;
+    sqlx::query("CHECKPOINT").execute(pool).await?;
+    Ok(())
 }
 
 /// The batched SQL limit: per batch, one multi-row `INSERT … ON CONFLICT DO NOTHING RETURNING`, one UPDATE for

@@ -113,6 +113,10 @@ pub struct BenchArgs {
     /// layouts, each against the same leg on an empty table).
     #[arg(long, default_value_t = 10_000_000)]
     grown_markers: u64,
+    /// Open Sequential Inbox instances already there (each with one processed message and its claim) for the
+    /// inbox leg's grown twin, against the same leg on empty tables.
+    #[arg(long, default_value_t = 1_000_000)]
+    open_instances: u64,
     /// Dead letters and markers loaded for the console's leg (each), whose list pages are timed.
     #[arg(long, default_value_t = 1_000_000)]
     console_rows: i64,
@@ -233,6 +237,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
         args.broker_events = args.broker_events.min(2_000);
         args.console_rows = args.console_rows.min(2_000);
         args.grown_markers = args.grown_markers.min(20_000);
+        args.open_instances = args.open_instances.min(20_000);
     }
     if args.runs == 0 || args.events == 0 || args.accounts <= 0 {
         bail!("--runs, --events and --accounts must be above zero");
@@ -309,14 +314,16 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
         }
         legs.push(Leg::new(name, runs));
     }
-    let name = "idem Sequential Inbox, 4 partition(s), released on arrival".to_owned();
-    if wanted(&name) {
-        progress(&name);
-        let mut runs = Vec::new();
-        for _ in 0..args.runs {
-            runs.push(inbox_leg(&pool, &args, &work, 4).await?);
+    for open in [0, args.open_instances] {
+        let name = idem_legs::inbox_name(open);
+        if wanted(&name) && !legs.iter().any(|l| l.name == name) {
+            progress(&name);
+            let mut runs = Vec::new();
+            for _ in 0..args.runs {
+                runs.push(inbox_leg(&pool, &args, &work, 4, open).await?);
+            }
+            legs.push(Leg::new(name, runs));
         }
-        legs.push(Leg::new(name, runs));
     }
     for batch in [100usize, 1_000] {
         for kind in [HandlerKind::PerMessage, HandlerKind::Batch] {

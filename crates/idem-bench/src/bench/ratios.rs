@@ -23,6 +23,18 @@ pub(super) fn ratios(legs: &[Leg], grown_markers: u64) -> Vec<(String, f64)> {
         median("idem Sequential Inbox, 4 partition(s), released on arrival"),
         median("idem per-event, 4 partition(s)"),
     );
+    if let Some(grown) =
+        legs.iter().find(|l| l.name.starts_with(&super::idem_legs::inbox_name(0)) && l.name.ends_with("already there"))
+    {
+        ratio(
+            format!(
+                "idem Sequential Inbox{} ÷ on empty tables, 4",
+                grown.name.trim_start_matches(&super::idem_legs::inbox_name(0))
+            ),
+            Some(grown.median).filter(|m| *m > 0.0),
+            median(&super::idem_legs::inbox_name(0)),
+        );
+    }
     ratio(
         "idem configured per-event ÷ idem per-event (Rust handler), 1".into(),
         median("idem configured per-event (idem run), 1 partition(s)"),
