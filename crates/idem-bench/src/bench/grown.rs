@@ -253,6 +253,7 @@ async fn leg(
     }
     let engine = Engine::new(engine_pool.clone(), config)?;
     let source = MemorySource(std::sync::Mutex::new(messages(work, 1)));
+    let before = ServerWork::read(pool).await?;
     let started = Instant::now();
     let stats = match path {
         Path::PerEvent => engine.run(source, CreditEach, std::future::pending::<()>()).await?,
@@ -260,9 +261,20 @@ async fn leg(
     };
     let seconds = started.elapsed().as_secs_f64();
     engine_pool.close().await;
+    // The engine's sessions report their statistics as they end.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = ServerWork::read(pool).await?;
     if stats.processed != work.unique {
         bail!("grown leg: processed {} of {} events", stats.processed, work.unique);
     }
+    let n = work.deliveries.len() as f64;
+    eprintln!(
+        "bench: {}: per event {:.0} WAL bytes, {:.2} full-page images, {:.2} blocks read from outside shared buffers",
+        name(path.label(), layout.label(), loaded_at.map(|_| args.grown_markers)),
+        (after.wal_bytes - before.wal_bytes) / n,
+        (after.wal_fpi - before.wal_fpi) as f64 / n,
+        (after.blocks_read - before.blocks_read) as f64 / n,
+    );
     let total: i64 = sqlx::query_scalar(&format!("SELECT COALESCE(sum(balance), 0)::bigint FROM {PREFIX}accounts"))
         .fetch_one(pool)
         .await?;
@@ -279,4 +291,24 @@ async fn leg(
         );
     }
     Ok(work.deliveries.len() as f64 / seconds)
+}
+
+/// The server's running totals a leg's work is read from: WAL written (bytes, full-page images) and blocks read
+/// into shared buffers (from the OS or the disk).
+struct ServerWork {
+    wal_bytes: f64,
+    wal_fpi: i64,
+    blocks_read: i64,
+}
+
+impl ServerWork {
+    async fn read(pool: &PgPool) -> anyhow::Result<Self> {
+        let (wal_bytes, wal_fpi, blocks_read): (f64, i64, i64) = sqlx::query_as(
+            "SELECT w.wal_bytes::float8, w.wal_fpi, d.blks_read
+               FROM pg_stat_wal w, pg_stat_database d WHERE d.datname = current_database()",
+        )
+        .fetch_one(pool)
+        .await?;
+        Ok(ServerWork { wal_bytes, wal_fpi, blocks_read })
+    }
 }
