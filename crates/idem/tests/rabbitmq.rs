@@ -33,6 +33,8 @@ async fn wrong_credentials_an_unreachable_server_and_a_missing_queue_are_named()
     let missing = RabbitConfig::new(url(), &[queue.as_str()]);
     let err = RabbitSource::connect(&missing, &engine).await.err().expect("no such queue").to_string();
     assert!(err.contains(&queue) && err.contains("declare the queue"), "{err}");
+    // Deleting a queue that is not there is not an error (known by the server's reply code, 404).
+    idem::rabbitmq::delete_queue(&url(), &queue).await.expect("a missing queue is already deleted");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

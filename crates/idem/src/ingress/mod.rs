@@ -623,7 +623,7 @@ async fn read_body(body: Body, limit: usize) -> Result<Vec<u8>, BodyError> {
         Ok(bytes) => Ok(bytes.to_vec()),
         Err(e) => {
             let text = e.to_string();
-            if std::error::Error::source(&e).is_some_and(|s| s.to_string().contains("length limit")) {
+            if std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>()) {
                 Err(BodyError::TooLarge)
             } else {
                 Err(BodyError::Broken(text))

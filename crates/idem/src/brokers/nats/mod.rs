@@ -205,7 +205,12 @@ pub async fn delete_stream(url: &str, name: &str) -> Result<(), Error> {
     let js = async_nats::jetstream::new(connect(url).await?);
     match js.delete_stream(name).await {
         Ok(_) => Ok(()),
-        Err(e) if e.to_string().contains("not found") => Ok(()),
+        Err(e)
+            if matches!(e.kind(), async_nats::jetstream::context::DeleteStreamErrorKind::JetStream(js)
+                if js.error_code() == async_nats::jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+        {
+            Ok(())
+        }
         Err(e) => Err(Error::Config(format!("nats: cannot delete stream {name}: {e}"))),
     }
 }

@@ -223,7 +223,8 @@ pub async fn delete_queue(url: &str, name: &str) -> Result<(), Error> {
     let _ = connection.close(200, "".into()).await;
     match deleted {
         Ok(_) => Ok(()),
-        Err(e) if e.to_string().contains("NOT_FOUND") => Ok(()),
+        // The server's reply code 404 (NOT_FOUND).
+        Err(e) if matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 404) => Ok(()),
         Err(e) => Err(Error::Config(format!("rabbitmq: cannot delete queue {name}: {e}"))),
     }
 }
