@@ -25,17 +25,11 @@ large="${IDEM_INSTRUCTIONS_LARGE:-8000}"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
-# The inbox leg's twin beside open instances is left out (a binary from before it has no such flag).
-extra=()
-if "$bench" --help 2>/dev/null | grep -q -- --open-instances; then
-    extra=(--open-instances 0)
-fi
-
 # The total instructions of one run of the leg named $1 with $2 events.
 total() {
     local file="$out/callgrind.$RANDOM"
     valgrind --tool=callgrind --callgrind-out-file="$file" "$bench" --only "$1" --events "$2" --runs 1 --json \
-        "${extra[@]}" >/dev/null 2>"$out/valgrind.log" || { tail -20 "$out/valgrind.log" >&2; exit 1; }
+        >/dev/null 2>"$out/valgrind.log" || { tail -20 "$out/valgrind.log" >&2; exit 1; }
     awk '/^totals:/ { print $2 }' "$file"
 }
 

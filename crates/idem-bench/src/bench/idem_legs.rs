@@ -170,11 +170,12 @@ pub(super) async fn finished(
     Ok(work.deliveries.len() as f64 / seconds)
 }
 
-/// The name of the Sequential Inbox leg, on empty tables (`open` 0) or beside `open` open instances.
+/// The name of the Sequential Inbox leg, on empty tables (`open` 0) or beside `open` open instances (a name that
+/// does not contain the first, so that `--only` can pick either).
 pub(super) fn inbox_name(open: u64) -> String {
     match open {
         0 => "idem Sequential Inbox, 4 partition(s), released on arrival".to_owned(),
-        n => format!("idem Sequential Inbox, 4 partition(s), released on arrival, {n} open instances already there"),
+        n => format!("idem Sequential Inbox beside {n} open instances, 4 partition(s), released on arrival"),
     }
 }
 

@@ -23,14 +23,9 @@ pub(super) fn ratios(legs: &[Leg], grown_markers: u64) -> Vec<(String, f64)> {
         median("idem Sequential Inbox, 4 partition(s), released on arrival"),
         median("idem per-event, 4 partition(s)"),
     );
-    if let Some(grown) =
-        legs.iter().find(|l| l.name.starts_with(&super::idem_legs::inbox_name(0)) && l.name.ends_with("already there"))
-    {
+    if let Some(grown) = legs.iter().find(|l| l.name.starts_with("idem Sequential Inbox beside")) {
         ratio(
-            format!(
-                "idem Sequential Inbox{} ÷ on empty tables, 4",
-                grown.name.trim_start_matches(&super::idem_legs::inbox_name(0))
-            ),
+            format!("{} ÷ on empty tables", grown.name),
             Some(grown.median).filter(|m| *m > 0.0),
             median(&super::idem_legs::inbox_name(0)),
         );
