@@ -46,13 +46,14 @@ enum Path {
 impl Path {
     fn label(self) -> &'static str {
         match self {
-            Path::PerEvent => "per-event, 1 partition",
-            Path::Batched => "batched 1000, batch handler",
+            Path::PerEvent => "per-event (1 partition)",
+            Path::Batched => "batched 1000 (batch handler)",
         }
     }
 }
 
-/// The name of a leg: its path and layout, on the empty table (`grown` false) or the grown one.
+/// The name of a leg: its path and layout, on the empty table (`grown` false) or the grown one. No name contains
+/// the name of a leg on the usual tables (`idem per-event, 1 partition(s)`), so that `--only` picks either alone.
 pub(super) fn name(path: &str, layout: &str, grown: Option<u64>) -> String {
     match grown {
         Some(markers) => format!("grown: idem {path}, {layout} markers, {markers} already there"),
