@@ -32,26 +32,43 @@ pub struct HousekeepingReport {
 impl SequentialInbox {
     /// One housekeeping pass; `handler` handles the messages an operator released.
     pub async fn housekeep<H: Handler<Postgres>>(&self, handler: &H) -> Result<HousekeepingReport, Error> {
-        let closed = self.close_complete().await?;
+        self.housekeeping_pass(handler, true).await
+    }
+
+    /// One pass; `close_complete`: also close the OPEN instances whose every type was processed. Only a change of
+    /// the declared types (a restart with another configuration) leaves such an instance open: the claim
+    /// transaction closes the instance it completes, and so does an operator's release. So a run looks for them
+    /// in its first pass only, rather than scanning every open instance every interval (2.3 s at 1,000,000 open
+    /// instances).
+    async fn housekeeping_pass<H: Handler<Postgres>>(
+        &self,
+        handler: &H,
+        close_complete: bool,
+    ) -> Result<HousekeepingReport, Error> {
+        let closed = if close_complete { self.close_complete().await? } else { 0 };
         let released = self.release_forced(handler).await?;
         let (deleted, reported) = self.delete_expired().await?;
         self.publish_gauges().await?;
         Ok(HousekeepingReport { closed, released, deleted, reported })
     }
 
-    /// Runs [`SequentialInbox::housekeep`] at once (so the gauges are right from the start) and then every
-    /// interval; failures are logged and tried again next time.
+    /// Runs a housekeeping pass at once (so the gauges are right from the start, and instances a change of the
+    /// declared types completed are closed) and then every interval; failures are logged and tried again next
+    /// time.
     pub(super) async fn housekeeping_loop<H: Handler<Postgres>>(self, handler: Arc<H>) {
         let mut first = true;
+        let mut closed_complete = false;
         loop {
             if !std::mem::take(&mut first) {
                 tokio::time::sleep(self.config.housekeeping.interval).await;
             }
-            match self.housekeep(handler.as_ref()).await {
-                Ok(report) if report != HousekeepingReport::default() => {
-                    tracing::info!(?report, "inbox housekeeping");
+            match self.housekeeping_pass(handler.as_ref(), !closed_complete).await {
+                Ok(report) => {
+                    closed_complete = true;
+                    if report != HousekeepingReport::default() {
+                        tracing::info!(?report, "inbox housekeeping");
+                    }
                 }
-                Ok(_) => {}
                 Err(error) => tracing::warn!(%error, "inbox housekeeping failed; trying again next interval"),
             }
         }
