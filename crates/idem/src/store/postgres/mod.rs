@@ -200,9 +200,10 @@ impl Store for Postgres {
 
     /// The check, `COMMIT` and a `BEGIN` go out as one simple query: one round trip where a check and a
     /// `COMMIT` would take two, and the next transaction's `BEGIN` a third. PostgreSQL runs them in order and
-    /// stops at the first error, so a transaction that is aborted (25P02) or no longer open (25P01) fails the
-    /// check and never reaches `COMMIT`; nor does one that lost the claim's mark (see [`CLAIMED_OR_FAIL`]), so a
-    /// handler that ran `ROLLBACK; BEGIN` and wrote cannot commit its writes without idem's. sqlx still counts the
+    /// stops at the first error, so a transaction that is aborted (25P02) or no longer open (25P01 from the
+    /// savepoint where idem wrote nothing; the missing mark where it did) fails the check and never reaches
+    /// `COMMIT`; nor does one that lost the claim's mark (see [`CLAIMED_OR_FAIL`]), so a handler that ran
+    /// `ROLLBACK; BEGIN` and wrote cannot commit its writes without idem's. sqlx still counts the
     /// transaction as open, which the trailing `BEGIN` makes true: the transaction handed back is that new, empty
     /// one (no snapshot is taken before its first statement). Dropping it queues a `ROLLBACK` that goes out with
     /// the connection's next message.
@@ -248,9 +249,12 @@ const INTACT: &str =
 /// Inbox's claim) sets the transaction-local setting `idem.claimed` to `'1'` when it claimed something. The
 /// setting ends with the transaction that set it, so a transaction the handler began after ending idem's (with
 /// `ROLLBACK; BEGIN`, or `COMMIT; BEGIN`) reads `''` or NULL there, whatever it wrote.
-const CLAIMED_OR_FAIL: &str = "SAVEPOINT idem_intact;
-     SELECT 1 / (current_setting('idem.claimed', true) IS NOT DISTINCT FROM '1')::int;
-     COMMIT; BEGIN";
+///
+/// The check needs no savepoint before it: in an aborted transaction it fails with 25P02, and outside a
+/// transaction block (the handler ran `COMMIT`) it runs in the query's own implicit transaction, where the mark is
+/// missing, so it fails with [`DIVISION_BY_ZERO`] before the `COMMIT`. One statement fewer per commit.
+const CLAIMED_OR_FAIL: &str =
+    "SELECT 1 / (current_setting('idem.claimed', true) IS NOT DISTINCT FROM '1')::int; COMMIT; BEGIN";
 
 /// What [`CLAIMED_OR_FAIL`] raises when the mark is missing, before `COMMIT` is reached.
 const DIVISION_BY_ZERO: &str = "22012";
