@@ -433,6 +433,33 @@ async fn unsequenced_messages_go_through_the_marker_path_and_misfits_are_dead_le
     assert_eq!(db.pool.scalar("SELECT COUNT(*) FROM sequence_instance").await, 0);
 }
 
+/// Only a change of the declared types leaves a complete instance OPEN (the claim transaction closes the instance
+/// it completes): a housekeeping pass, which a run makes first, closes it.
+#[tokio::test]
+async fn housekeeping_closes_the_instances_a_change_of_the_declared_types_completed() {
+    let db = pg().await;
+    setup(&db.pool).await;
+    let log = Log::default();
+    let before = inbox_on(&db.pool, SEQUENCES, InboxTransactions::Shared).await;
+    for (kind, id) in [("OrderCreated", "k1"), ("OrderValidated/stock", "k2"), ("OrderValidated/payment", "k3")] {
+        one(&before, order(kind, "o12", id), &log).await;
+    }
+    one(&before, order("OrderCreated", "o13", "k4"), &log).await;
+    assert_eq!(instance_status(&db.pool, "order", "o12").await, "OPEN", "OrderShipped is still to come");
+    assert_eq!(before.housekeep(&log).await.unwrap().closed, 0, "nothing complete under these types");
+
+    let shipped = "\n[[sequence.type]]\nname = \"OrderShipped\"";
+    let cut = SEQUENCES.find(shipped).expect("the example declares OrderShipped");
+    let end = SEQUENCES[cut + shipped.len()..].find("\n\n[").map_or(SEQUENCES.len(), |i| cut + shipped.len() + i);
+    let without_shipping = format!("{}{}", &SEQUENCES[..cut], &SEQUENCES[end..]);
+    let after = inbox_on(&db.pool, &without_shipping, InboxTransactions::Shared).await;
+    let report = after.housekeep(&log).await.unwrap();
+    assert_eq!(report.closed, 1, "{report:?}");
+    assert_eq!(instance_status(&db.pool, "order", "o12").await, "CLOSED", "every type it now declares is processed");
+    assert_eq!(instance_status(&db.pool, "order", "o13").await, "OPEN", "its validations are still to come");
+    assert_eq!(after.housekeep(&log).await.unwrap().closed, 0);
+}
+
 #[tokio::test]
 async fn an_operator_release_is_handled_by_the_next_housekeeping_pass() {
     let db = pg().await;

@@ -46,6 +46,9 @@ pub(crate) struct Waiting {
 
 /// Finds or creates the instance of (`sequence`, `context`), in autocommit: two consumers creating it at once
 /// both get the row that won the unique constraint. Returns its id.
+///
+/// One statement, one round trip, whether the instance is there or not: the lookup, and the insert only when the
+/// lookup found nothing (an insert of no rows writes nothing, so finding an instance commits no WAL).
 pub(crate) async fn resolve_instance(
     conn: &mut PgConnection,
     tables: &Tables,
@@ -53,27 +56,25 @@ pub(crate) async fn resolve_instance(
     context: &str,
     retention_secs: f64,
 ) -> Result<i64, sqlx::Error> {
-    let insert = tables.render_once(
-        "INSERT INTO {t}sequence_instance (sequence_name, context_id, retain_until)
-         VALUES ($1, $2, now() + make_interval(secs => $3))
-         ON CONFLICT (sequence_name, context_id) DO NOTHING RETURNING id",
+    let sql = tables.render_once(
+        "WITH found AS (SELECT id FROM {t}sequence_instance WHERE sequence_name = $1 AND context_id = $2),
+              created AS (
+                INSERT INTO {t}sequence_instance (sequence_name, context_id, retain_until)
+                SELECT $1, $2, now() + make_interval(secs => $3) WHERE NOT EXISTS (SELECT 1 FROM found)
+                ON CONFLICT (sequence_name, context_id) DO NOTHING RETURNING id)
+         SELECT id FROM found UNION ALL SELECT id FROM created",
     );
-    let select = tables.render_once("SELECT id FROM {t}sequence_instance WHERE sequence_name = $1 AND context_id = $2");
     loop {
-        // Most messages find their instance: a read, no commit. A new statement sees a row another transaction
-        // committed meanwhile; none found after a conflict means housekeeping deleted it in between: try again.
-        let existing: Option<i64> =
-            sqlx::query_scalar(&select).bind(sequence).bind(context).fetch_optional(&mut *conn).await?;
-        if let Some(id) = existing {
-            return Ok(id);
-        }
-        let created: Option<i64> = sqlx::query_scalar(&insert)
+        // Neither found nor created: another consumer created it after this statement's snapshot was taken (the
+        // insert waited for it, then gave way), or housekeeping deleted it in between. A new statement sees the
+        // row that was committed meanwhile.
+        let id: Option<i64> = sqlx::query_scalar(&sql)
             .bind(sequence)
             .bind(context)
             .bind(retention_secs)
             .fetch_optional(&mut *conn)
             .await?;
-        if let Some(id) = created {
+        if let Some(id) = id {
             return Ok(id);
         }
     }
