@@ -17,10 +17,11 @@ pub(super) async fn run(
     let brokers = [
         ("NATS JetStream", "--nats", &args.nats),
         ("RabbitMQ", "--rabbitmq", &args.rabbitmq),
-        ("Pub/Sub", "--pubsub", &args.pubsub),
+        (pubsub_name(), "--pubsub", &args.pubsub),
     ];
     for (broker, flag, url) in brokers {
-        if !wanted(broker) {
+        let events = args.broker_events;
+        if !wanted(&read_limit_name(broker, events)) && !wanted(&end_to_end_name(broker, events)) {
             continue;
         }
         let Some(url) = url else {
@@ -86,13 +87,24 @@ async fn broker_legs<B: BrokerLeg>(
         }
     }
     broker.remove().await;
-    let read = Leg::new(
-        format!("{} read limit: read and acknowledged as idem does, no database ({events} events)", broker.name()),
-        reads,
-    );
-    let idem =
-        Leg::new(format!("idem end to end from {}, batched 1000, 4 partitions ({events} events)", broker.name()), runs);
+    let read = Leg::new(read_limit_name(broker.name(), events), reads);
+    let idem = Leg::new(end_to_end_name(broker.name(), events), runs);
     Ok((read, idem))
+}
+
+/// Pub/Sub's name in the legs' names: the emulator's figures are named as such.
+fn pubsub_name() -> &'static str {
+    if idem_cli::pubsub::emulator().is_some() { "Pub/Sub emulator" } else { "Pub/Sub" }
+}
+
+/// The name of a broker's read-limit leg, which `--only` matches before the leg runs.
+pub(super) fn read_limit_name(broker: &str, events: usize) -> String {
+    format!("{broker} read limit: read and acknowledged as idem does, no database ({events} events)")
+}
+
+/// The name of a broker's end-to-end leg, which `--only` matches before the leg runs.
+pub(super) fn end_to_end_name(broker: &str, events: usize) -> String {
+    format!("idem end to end from {broker}, batched 1000, 4 partitions ({events} events)")
 }
 
 /// Consumes the source to its end with the batch handler; the rate from the first commit to the last.
@@ -224,7 +236,7 @@ impl BrokerLeg for PubSubLeg {
     type Source = idem::pubsub::PubSubSource;
 
     fn name(&self) -> &'static str {
-        if idem_cli::pubsub::emulator().is_some() { "Pub/Sub emulator" } else { "Pub/Sub" }
+        pubsub_name()
     }
 
     async fn load(&mut self, records: &[(i64, String)]) -> anyhow::Result<()> {

@@ -138,14 +138,18 @@ async fn raw(
     let Ok(credit) = serde_json::from_slice::<Credit>(&body) else {
         return (axum::http::StatusCode::BAD_REQUEST, "not a credit".into());
     };
-    let applied = async {
+    // In a task of its own, as the ingress does its work: a client that goes away drops this handler's future,
+    // and sqlx (0.8) returns a connection whose `BEGIN` was cut short to the pool inside that transaction, where
+    // the next leg's statements would run and hold their locks.
+    let applied = tokio::spawn(async move {
         let mut tx = pool.begin().await?;
         credit_account(&mut tx, &credit).await?;
         tx.commit().await
-    };
+    });
     match applied.await {
-        Ok(()) => (axum::http::StatusCode::OK, r#"{"ok":true}"#.into()),
-        Err(e) => (axum::http::StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        Ok(Ok(())) => (axum::http::StatusCode::OK, r#"{"ok":true}"#.into()),
+        Ok(Err(e)) => (axum::http::StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        Err(e) => (axum::http::StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }
 }
 

@@ -4,9 +4,10 @@
 //! Legs: pgbench running the per-event transaction; the Python reference handler; idem with one transaction per
 //! event at 1, 2 and 4 partitions; idem batched (100 and 1,000; per-message and batch handler); the batched SQL
 //! limit (a raw loop: one multi-row claim and one UPDATE per batch); end to end from Kafka, NATS JetStream,
-//! RabbitMQ and Google Pub/Sub (on the emulator: the emulator's figures) next to their read limits; the outbox (an enqueue per event, the relay next to the produce limits); one
-//! key failing for a while against the same run without it (the other partitions' rate); with `--mysql`, idem
-//! per-event and batched against raw SQL loops on MySQL/MariaDB.
+//! RabbitMQ and Google Pub/Sub (on the emulator: the emulator's figures) next to their read limits; a consumer's
+//! memory over 1,000,000 events in a process of its own; the outbox (an enqueue per event, the relay next to the
+//! produce limits); one key failing for a while against the same run without it (the other partitions' rate);
+//! with `--mysql`, idem per-event and batched against raw SQL loops on MySQL/MariaDB.
 
 use std::collections::{HashSet, VecDeque};
 use std::path::PathBuf;
@@ -28,19 +29,21 @@ mod brokers;
 mod compare;
 mod configured;
 mod console;
+mod consume;
 mod failing_key;
 mod grown;
 mod http;
 mod idem_legs;
 mod kafka;
+mod memory;
 mod mysql;
 mod outbox;
 mod ratios;
 mod read_limit;
 
+pub use consume::{ConsumeArgs, consume};
 use idem_legs::{CreditAll, HandlerKind, idem_leg, inbox_leg, raw_batched};
 use kafka::kafka_leg;
-pub use kafka::{ConsumeArgs, consume};
 use ratios::ratios;
 
 const PREFIX: &str = "bench_";
@@ -117,6 +120,10 @@ pub struct BenchArgs {
     /// inbox leg's grown twin, against the same leg on empty tables.
     #[arg(long, default_value_t = 1_000_000)]
     open_instances: u64,
+    /// Events preloaded on the embedded log for the memory leg: one consumer in a process of its own, whose peak
+    /// RSS and RSS at each quarter of the deliveries are reported.
+    #[arg(long, default_value_t = 1_000_000)]
+    memory_events: usize,
     /// Dead letters and markers loaded for the console's leg (each), whose list pages are timed.
     #[arg(long, default_value_t = 1_000_000)]
     console_rows: i64,
@@ -238,6 +245,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
         args.console_rows = args.console_rows.min(2_000);
         args.grown_markers = args.grown_markers.min(20_000);
         args.open_instances = args.open_instances.min(20_000);
+        args.memory_events = args.memory_events.min(2_000);
     }
     if args.runs == 0 || args.events == 0 || args.accounts <= 0 {
         bail!("--runs, --events and --accounts must be above zero");
@@ -357,8 +365,8 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
         }
     }
     legs.extend(grown::run(&pool, &args, &work, &wanted, &progress).await?);
-    let name = format!("idem end to end from Kafka, batched 1000, 4 partitions ({} events)", args.kafka_events);
-    if wanted("kafka") {
+    let name = brokers::end_to_end_name("Kafka", args.kafka_events);
+    if wanted(&name) || wanted(&brokers::read_limit_name("Kafka", args.kafka_events)) {
         match &args.kafka {
             Some(brokers) => {
                 progress(&name);
@@ -370,6 +378,12 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
         }
     }
 
+    let name = memory::name(args.memory_events);
+    if wanted(&name) {
+        progress(&name);
+        legs.push(memory::memory_leg(&pool, &args).await?);
+    }
+
     legs.extend(brokers::run(&pool, &args, &wanted, &progress, &mut notes).await?);
     legs.extend(outbox::run(&pool, &args, &work, &wanted, &progress, &mut notes).await?);
     legs.extend(mysql::run(&args, &work, &wanted, &progress, &mut notes).await?);
@@ -377,12 +391,12 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
 
     let mut pages = Vec::new();
     let name = format!("console list pages at {} dead letters and {} markers", args.console_rows, args.console_rows);
-    if wanted("console") {
+    if wanted(&name) {
         progress(&name);
         pages = console::run(&pool, args.console_rows, args.runs).await?;
     }
 
-    let ratios = ratios(&legs, args.grown_markers);
+    let ratios = ratios(&legs, args.grown_markers, args.open_instances);
     if args.json {
         println!(
             "{}",

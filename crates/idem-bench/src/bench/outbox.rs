@@ -146,7 +146,8 @@ pub(super) async fn run(
         legs.push(Leg::new(raw_name.to_owned(), raw));
         legs.push(Leg::new(relay_name.to_owned(), relayed));
     }
-    if wanted("idem relay to Kafka") || wanted("Kafka produce limit") {
+    let (kafka_raw_name, kafka_relay_name) = ("Kafka produce limit (1,000 awaited at a time)", "idem relay to Kafka");
+    if wanted(kafka_raw_name) || wanted(kafka_relay_name) {
         match &args.kafka {
             Some(brokers) => {
                 progress("the relay to Kafka and Kafka's produce limit");
@@ -160,8 +161,8 @@ pub(super) async fn run(
                     let producer = idem::kafka::KafkaProducer::new(brokers)?;
                     relayed.push(relay_leg(pool, args, work, Renamed { topic, inner: Publish(producer) }).await?);
                 }
-                legs.push(Leg::new("Kafka produce limit (1,000 awaited at a time)".to_owned(), raw));
-                legs.push(Leg::new("idem relay to Kafka".to_owned(), relayed));
+                legs.push(Leg::new(kafka_raw_name.to_owned(), raw));
+                legs.push(Leg::new(kafka_relay_name.to_owned(), relayed));
             }
             None => notes.push("relay-to-Kafka legs skipped: no --kafka".into()),
         }

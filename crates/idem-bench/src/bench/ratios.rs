@@ -3,7 +3,7 @@
 use super::Leg;
 
 /// The ratios of the targets, from the medians.
-pub(super) fn ratios(legs: &[Leg], grown_markers: u64) -> Vec<(String, f64)> {
+pub(super) fn ratios(legs: &[Leg], grown_markers: u64, open_instances: u64) -> Vec<(String, f64)> {
     let median = |name: &str| legs.iter().find(|l| l.name == name).map(|l| l.median).filter(|m| *m > 0.0);
     let mut out = Vec::new();
     let mut ratio = |label: String, a: Option<f64>, b: Option<f64>| {
@@ -18,17 +18,11 @@ pub(super) fn ratios(legs: &[Leg], grown_markers: u64) -> Vec<(String, f64)> {
             median(&format!("pgbench per-event, {n} client(s)")),
         );
     }
-    ratio(
-        "idem Sequential Inbox ÷ idem per-event, 4".into(),
-        median("idem Sequential Inbox, 4 partition(s), released on arrival"),
-        median("idem per-event, 4 partition(s)"),
-    );
-    if let Some(grown) = legs.iter().find(|l| l.name.starts_with("idem Sequential Inbox beside")) {
-        ratio(
-            format!("{} ÷ on empty tables", grown.name),
-            Some(grown.median).filter(|m| *m > 0.0),
-            median(&super::idem_legs::inbox_name(0)),
-        );
+    let inbox = median(&super::idem_legs::inbox_name(0));
+    ratio("idem Sequential Inbox ÷ idem per-event, 4".into(), inbox, median("idem per-event, 4 partition(s)"));
+    if open_instances > 0 {
+        let grown = super::idem_legs::inbox_name(open_instances);
+        ratio(format!("{grown} ÷ on empty tables"), median(&grown), inbox);
     }
     ratio(
         "idem configured per-event ÷ idem per-event (Rust handler), 1".into(),
@@ -97,6 +91,12 @@ pub(super) fn ratios(legs: &[Leg], grown_markers: u64) -> Vec<(String, f64)> {
         median("idem relay to Kafka"),
         median("Kafka produce limit (1,000 awaited at a time)"),
     );
+    // Memory that stays flat: the consumer's RSS once all its deliveries are committed ÷ once a quarter are.
+    if let Some(leg) = legs.iter().find(|l| l.name.starts_with(super::memory::NAME)) {
+        let quarters = leg.rss_mib_at_quarters.as_deref().unwrap_or_default();
+        let (last, first) = (quarters.last().copied(), quarters.first().copied());
+        ratio("memory: RSS at 100% ÷ at 25% of the deliveries".into(), last, first);
+    }
     // A broker leg's ceiling is the lower of the broker's read limit (read as idem reads, no database) and the
     // database's batched limit: idem end to end can reach neither alone.
     let database = median("batched SQL limit 1000");
@@ -113,6 +113,17 @@ pub(super) fn ratios(legs: &[Leg], grown_markers: u64) -> Vec<(String, f64)> {
             format!("idem from {broker} ÷ its ceiling (the lower of its read limit and the batched SQL limit 1000)"),
             idem,
             ceiling,
+        );
+        // Where the broker, the database and idem share the machine's cores, the broker's delivery work and the
+        // database's work add up rather than overlap: the rate both could sustain together.
+        let shared = match (read, database) {
+            (Some(read), Some(database)) => Some(1.0 / (1.0 / read + 1.0 / database)),
+            _ => None,
+        };
+        ratio(
+            format!("idem from {broker} ÷ both limits' work added (1 / (1/read limit + 1/batched SQL limit))"),
+            idem,
+            shared,
         );
     }
     out
