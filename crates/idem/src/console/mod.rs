@@ -225,6 +225,7 @@ pub fn router<DB: ConsoleStore, P: Publisher + 'static>(
         .route("/static/console.css", get(page::stylesheet))
         .route("/favicon.ico", get(|| async { StatusCode::NO_CONTENT }))
         .fallback(|| async { (StatusCode::NOT_FOUND, "not found: the console's pages start at /\n") })
+        .layer(axum::middleware::from_fn(uncut))
         // Room for an edited payload at its limit, JSON-escaped; a larger body is refused before it is read.
         .layer(axum::extract::DefaultBodyLimit::max(4 * api::MAX_EDITED_PAYLOAD))
         .layer(axum::middleware::map_response(secure))
@@ -253,6 +254,20 @@ pub async fn serve<DB: ConsoleStore, P: Publisher + 'static>(
         }
     });
     Ok(bound)
+}
+
+/// Runs each request's work in a task of its own, so that a client that goes away does not cut a database
+/// transaction short. sqlx (0.8) counts a transaction only once its `BEGIN` has answered: a request dropped in
+/// between would hand the connection back to the pool inside that transaction, where the consumers' next
+/// statements (the console shares their pool) would run and hold their locks.
+async fn uncut(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    match tokio::spawn(next.run(request)).await {
+        Ok(response) => response,
+        Err(error) => {
+            tracing::error!(%error, "a console request's task failed");
+            (StatusCode::INTERNAL_SERVER_ERROR, "the request failed: see the log\n").into_response()
+        }
+    }
 }
 
 /// Security headers on every response: no inline script, no framing, no sniffing, no referrer to other sites, no
