@@ -72,6 +72,35 @@ pub(super) async fn consume_child(
     serde_json::from_slice(&output.stdout).context("the consumer process's output")
 }
 
+/// The runs of a leg whose consumer is `idem-bench consume`: each report's rate, the highest peak RSS, and the
+/// last run's RSS at each quarter.
+#[derive(Default)]
+pub(super) struct ChildRuns {
+    rates: Vec<f64>,
+    peak: f64,
+    quarters: Vec<f64>,
+}
+
+impl ChildRuns {
+    /// Adds one run's report.
+    pub(super) fn add(&mut self, report: &serde_json::Value) {
+        self.rates.push(report["per_second"].as_f64().unwrap_or(0.0));
+        self.peak = self.peak.max(report["peak_rss_mib"].as_f64().unwrap_or(0.0));
+        self.quarters = report["rss_mib_at_quarters"]
+            .as_array()
+            .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
+            .unwrap_or_default();
+    }
+
+    /// The leg `name`, with its memory.
+    pub(super) fn leg(self, name: String) -> Leg {
+        let mut leg = Leg::new(name, self.rates);
+        leg.peak_rss_mib = Some((self.peak * 10.0).round() / 10.0);
+        leg.rss_mib_at_quarters = Some(self.quarters);
+        leg
+    }
+}
+
 fn rss_mib(field: &str) -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()

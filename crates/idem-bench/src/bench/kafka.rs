@@ -2,7 +2,7 @@
 //! own, whose memory is sampled; and the broker's own read limit.
 
 use super::*;
-use consume::{Child, consume_child};
+use consume::{Child, ChildRuns, consume_child};
 
 /// Preloads the topic once, then consumes it `runs` times (a fresh group and fresh tables each time) in a child
 /// process whose memory is sampled.
@@ -18,9 +18,7 @@ pub(super) async fn kafka_leg(
     let records: Vec<(i64, String)> = work.deliveries.iter().map(|p| (p.account, payload(p))).collect();
     idem_cli::demo::write_kafka(brokers, &topic, 4, &records).await?;
     drop(records);
-    let mut runs = Vec::new();
-    let mut peak: f64 = 0.0;
-    let mut quarters = Vec::new();
+    let mut runs = ChildRuns::default();
     let mut reads = Vec::new();
     for run in 0..args.runs {
         let deliveries = work.deliveries.len();
@@ -30,25 +28,16 @@ pub(super) async fn kafka_leg(
         reads.push(report["per_second"].as_f64().unwrap_or(0.0));
 
         fresh_tables(pool, args.accounts).await?;
-        let report =
-            consume_child(args, Child::Kafka(brokers), &topic, &format!("bench-{nanos}-{run}"), deliveries, false)
-                .await?;
+        let group = format!("bench-{nanos}-{run}");
+        runs.add(&consume_child(args, Child::Kafka(brokers), &topic, &group, deliveries, false).await?);
         check_ledger(pool, "Kafka", work.expected_total, work.unique as i64).await?;
-        runs.push(report["per_second"].as_f64().unwrap_or(0.0));
-        peak = peak.max(report["peak_rss_mib"].as_f64().unwrap_or(0.0));
-        quarters = report["rss_mib_at_quarters"]
-            .as_array()
-            .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
-            .unwrap_or_default();
     }
     if std::env::var_os("IDEM_BENCH_KEEP_TOPIC").is_some() {
         eprintln!("bench: topic {topic} kept");
     } else if let Err(error) = idem::kafka::delete_topic(brokers, &topic).await {
         tracing::warn!(%error, topic, "bench: could not delete the topic");
     }
-    let mut leg = Leg::new(name, runs);
-    leg.peak_rss_mib = Some((peak * 10.0).round() / 10.0);
-    leg.rss_mib_at_quarters = Some(quarters);
+    let leg = runs.leg(name);
     let read = Leg::new(super::brokers::read_limit_name("Kafka", args.kafka_events), reads);
     Ok((read, leg))
 }

@@ -4,7 +4,7 @@
 //! memory stays flat as the work grows.
 
 use super::*;
-use consume::{Child, consume_child};
+use consume::{Child, ChildRuns, consume_child};
 
 /// The leg's name before its count of events.
 pub(super) const NAME: &str = "idem memory: embedded log, batched 1000, batch handler, own process";
@@ -32,22 +32,13 @@ pub(super) async fn memory_leg(pool: &PgPool, args: &BenchArgs) -> anyhow::Resul
     }
     drop((producer, log));
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    let (mut runs, mut peak, mut quarters) = (Vec::new(), 0.0_f64, Vec::new());
+    let mut runs = ChildRuns::default();
     for run in 0..args.runs {
         fresh_tables(pool, args.accounts).await?;
         let group = format!("bench-memory-{nanos}-{run}");
-        let report = consume_child(args, Child::Log(&dir), TOPIC, &group, work.deliveries.len(), false).await?;
+        runs.add(&consume_child(args, Child::Log(&dir), TOPIC, &group, work.deliveries.len(), false).await?);
         check_ledger(pool, "memory", work.expected_total, work.unique as i64).await?;
-        runs.push(report["per_second"].as_f64().unwrap_or(0.0));
-        peak = peak.max(report["peak_rss_mib"].as_f64().unwrap_or(0.0));
-        quarters = report["rss_mib_at_quarters"]
-            .as_array()
-            .map(|a| a.iter().filter_map(serde_json::Value::as_f64).collect())
-            .unwrap_or_default();
     }
     let _ = std::fs::remove_dir_all(&dir);
-    let mut leg = Leg::new(name(args.memory_events), runs);
-    leg.peak_rss_mib = Some((peak * 10.0).round() / 10.0);
-    leg.rss_mib_at_quarters = Some(quarters);
-    Ok(leg)
+    Ok(runs.leg(name(args.memory_events)))
 }
