@@ -93,7 +93,7 @@ async fn broker_legs<B: BrokerLeg>(
 }
 
 /// Pub/Sub's name in the legs' names: the emulator's figures are named as such.
-fn pubsub_name() -> &'static str {
+pub(super) fn pubsub_name() -> &'static str {
     if idem_cli::pubsub::emulator().is_some() { "Pub/Sub emulator" } else { "Pub/Sub" }
 }
 

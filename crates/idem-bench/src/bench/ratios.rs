@@ -100,26 +100,22 @@ pub(super) fn ratios(legs: &[Leg], grown_markers: u64, open_instances: u64) -> V
     // A broker leg's ceiling is the lower of the broker's read limit (read as idem reads, no database) and the
     // database's batched limit: idem end to end can reach neither alone.
     let database = median("batched SQL limit 1000");
-    for broker in ["Kafka", "NATS JetStream", "RabbitMQ", "Pub/Sub emulator", "Pub/Sub"] {
+    for broker in ["Kafka", "NATS JetStream", "RabbitMQ", super::brokers::pubsub_name()] {
         let idem =
-            legs.iter().find(|l| l.name.starts_with(&format!("idem end to end from {broker}"))).map(|l| l.median);
+            legs.iter().find(|l| l.name.starts_with(&format!("idem end to end from {broker},"))).map(|l| l.median);
         let read = legs.iter().find(|l| l.name.starts_with(&format!("{broker} read limit"))).map(|l| l.median);
         ratio(format!("idem from {broker} ÷ {broker} read limit"), idem, read);
-        let ceiling = match (read, database) {
-            (Some(read), Some(database)) => Some(read.min(database)),
-            _ => None,
+        // Where the broker, the database and idem share the machine's cores, the broker's delivery work and the
+        // database's work add up rather than overlap: `shared` is the rate both could sustain together.
+        let (ceiling, shared) = match (read, database) {
+            (Some(read), Some(database)) => (Some(read.min(database)), Some(1.0 / (1.0 / read + 1.0 / database))),
+            _ => (None, None),
         };
         ratio(
             format!("idem from {broker} ÷ its ceiling (the lower of its read limit and the batched SQL limit 1000)"),
             idem,
             ceiling,
         );
-        // Where the broker, the database and idem share the machine's cores, the broker's delivery work and the
-        // database's work add up rather than overlap: the rate both could sustain together.
-        let shared = match (read, database) {
-            (Some(read), Some(database)) => Some(1.0 / (1.0 / read + 1.0 / database)),
-            _ => None,
-        };
         ratio(
             format!("idem from {broker} ÷ both limits' work added (1 / (1/read limit + 1/batched SQL limit))"),
             idem,

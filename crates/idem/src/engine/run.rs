@@ -102,7 +102,10 @@ impl<DB: Backend> Engine<DB> {
         let releasing = Shutdown::default();
         let release = self.inner.config.delayed_retries.is_some().then(|| {
             let (apply, engine, stop) = (Arc::clone(&apply), self.clone(), releasing.clone());
-            AbortOnDrop(tokio::spawn(async move { apply.release_parked(engine, stop).await }))
+            StopOnDrop {
+                stop: releasing.clone(),
+                task: tokio::spawn(async move { apply.release_parked(engine, stop).await }),
+            }
         });
         let mut workers: HashMap<Partition, Worker> = HashMap::new();
         let mut source_failures = 0u32;
@@ -175,7 +178,6 @@ impl<DB: Backend> Engine<DB> {
         };
         self.inner.draining.store(true, Ordering::SeqCst);
         // The delayed retry in hand finishes (or its lease makes it due again later); none starts after this.
-        releasing.trigger();
         if let Some(release) = release {
             release.finish().await;
         }
@@ -349,11 +351,6 @@ impl Drop for PanicGuard {
 struct AbortOnDrop(JoinHandle<()>);
 
 impl AbortOnDrop {
-    /// Waits for the task to end by itself (it was told to stop).
-    async fn finish(mut self) {
-        let _ = (&mut self.0).await;
-    }
-
     /// Aborts the task and waits until it is gone, with everything it held.
     async fn stop(mut self) {
         self.0.abort();
@@ -364,5 +361,27 @@ impl AbortOnDrop {
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+/// Tells a background task that begins transactions on the consumers' pool to stop when dropped (a run whose
+/// future is dropped), and lets it end by itself: an abort could cut its `BEGIN` short, and sqlx would then return
+/// the connection to the pool inside that transaction.
+struct StopOnDrop {
+    stop: Shutdown,
+    task: JoinHandle<()>,
+}
+
+impl StopOnDrop {
+    /// Tells the task to stop and waits for it: what it has in hand finishes, nothing starts after.
+    async fn finish(mut self) {
+        self.stop.trigger();
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.stop.trigger();
     }
 }
