@@ -613,3 +613,52 @@ async fn a_handler_that_rolls_back_begins_and_writes_commits_nothing() {
     .unwrap();
     assert_eq!(states, ["WAITING"]);
 }
+
+/// The claim, the instance's lock and the read of its state share one statement, whose snapshot is taken before
+/// the lock is granted: when another holder of the lock commits a buffered message in between, the state is read
+/// again under the lock, so that message is released with its predecessor instead of being left waiting.
+#[tokio::test]
+async fn a_message_buffered_by_another_holder_of_the_lock_meanwhile_is_released() {
+    let db = pg().await;
+    setup(&db.pool).await;
+    let log = std::sync::Arc::new(Log::default());
+    let inbox = inbox_on(&db.pool, SEQUENCES, InboxTransactions::Shared).await;
+    // A buffered message of another order: the row the other holder writes is a copy of it.
+    assert_eq!(one(&inbox, order("OrderValidated/stock", "o31", "w31"), &log).await, InboxOutcome::Buffered);
+    let instance: i64 = sqlx::query_scalar(
+        "INSERT INTO sequence_instance (sequence_name, context_id, retain_until)
+         VALUES ('order', 'o30', now() + interval '1 day') RETURNING id",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    // The other holder: it takes the lock as idem does and buffers o30's OrderValidated/stock.
+    let mut holder = db.pool.begin().await.unwrap();
+    for sql in [
+        "UPDATE sequence_instance SET version = version + 1 WHERE id = $1",
+        r#"INSERT INTO sequenced_message (sequence_instance_id, message_type, idempotence_id, status, topic, partition,
+                                          "offset", key, payload, headers)
+           SELECT $1, message_type, 'w30', status, topic, partition, "offset", key, payload, headers
+             FROM sequenced_message WHERE idempotence_id = 'w31'"#,
+        "INSERT INTO sequential_inbox_idempotence (message_type, idempotence_id, sequence_instance_id, created_at)
+         SELECT message_type, 'w30', $1, now() FROM sequential_inbox_idempotence WHERE idempotence_id = 'w31'",
+    ] {
+        sqlx::query(sql).bind(instance).execute(&mut *holder).await.unwrap();
+    }
+    let created = {
+        let (inbox, log) = (inbox_on(&db.pool, SEQUENCES, InboxTransactions::Shared).await, log.clone());
+        tokio::spawn(async move { inbox.process(vec![order("OrderCreated", "o30", "c30")], log.as_ref()).await })
+    };
+    // The OrderCreated's statement has taken its snapshot and waits for the lock.
+    let waiting = "SELECT count(*) FROM pg_stat_activity
+                    WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    let mut waited = 0;
+    while db.pool.scalar(waiting).await == 0 {
+        waited += 1;
+        assert!(waited < 500, "the OrderCreated never waited for the instance's lock");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    holder.commit().await.unwrap();
+    assert_eq!(created.await.unwrap().unwrap(), [InboxOutcome::Processed { released: 1 }]);
+    assert_eq!(handled(&db.pool).await, ["OrderCreated", "OrderValidated/stock"]);
+}

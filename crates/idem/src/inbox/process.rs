@@ -147,8 +147,10 @@ impl SequentialInbox {
 
     /// One transaction: claim, lock, decide, handle or buffer, release, close, commit (the engine's transaction
     /// order), in the transaction the last one left open when there is one (as the per-event path does). The
-    /// instance is the one remembered for the context, or found or created just before, in autocommit; an
-    /// instance that is gone ends the attempt with `Again`, and its id is forgotten.
+    /// instance is the one remembered for the context, or found or created at the start of that transaction (so
+    /// a new context costs no commit of its own, and an attempt rolled back leaves no instance behind); it is
+    /// remembered once the transaction committed. An instance that is gone ends the attempt with `Again`, and its
+    /// id is forgotten.
     async fn attempt<H: Handler<Postgres>>(
         &self,
         sequenced: &Sequenced,
@@ -157,32 +159,37 @@ impl SequentialInbox {
     ) -> Result<InboxOutcome, Failure> {
         let tables = &self.engine.config().tables;
         let sequence = &self.config.sequences[sequenced.sequence];
-        let instance = match self.instances.get(sequenced.sequence, &sequenced.context) {
-            Some(id) => id,
-            None => {
-                let mut conn = crate::store::connect::connection(self.engine.pool()).await?;
-                let id = store::resolve_instance(
-                    &mut conn,
-                    tables,
-                    &sequence.name,
-                    &sequenced.context,
-                    sequence.retention.as_secs_f64(),
-                )
-                .await?;
-                self.instances.remember(sequenced.sequence, &sequenced.context, id);
-                id
-            }
+        let known = self.instances.get(sequenced.sequence, &sequenced.context);
+        let mut resolved = None;
+        let body = async |tx: &mut PgConnection| {
+            let instance = match known {
+                Some(id) => id,
+                None => {
+                    let id = store::resolve_instance(
+                        &mut *tx,
+                        tables,
+                        &sequence.name,
+                        &sequenced.context,
+                        sequence.retention.as_secs_f64(),
+                    )
+                    .await?;
+                    resolved = Some(id);
+                    id
+                }
+            };
+            self.decide(tx, sequenced, instance, handler, shutdown).await
         };
-        let body = async |tx: &mut PgConnection| self.decide(tx, sequenced, instance, handler, shutdown).await;
         let result = self.engine.in_kept_transaction(1, body, |_| {}).await;
-        if matches!(result, Err(Failure::Again)) {
-            self.instances.forget(sequenced.sequence, &sequenced.context);
+        match (&result, resolved) {
+            (Err(Failure::Again), _) => self.instances.forget(sequenced.sequence, &sequenced.context),
+            (Ok(_), Some(id)) => self.instances.remember(sequenced.sequence, &sequenced.context, id),
+            _ => {}
         }
         result
     }
 
-    /// The body of [`SequentialInbox::attempt`]: the claim and, when won, the instance lock in one statement, then
-    /// everything under the lock.
+    /// The body of [`SequentialInbox::attempt`]: the claim, when won the instance lock, and the instance's state
+    /// (with the message recorded, for a type always released) in one statement, then everything under the lock.
     async fn decide<H: Handler<Postgres>>(
         &self,
         tx: &mut PgConnection,
@@ -198,20 +205,25 @@ impl SequentialInbox {
         let event = &sequenced.event;
         let duplicate =
             End::Commit { value: InboxOutcome::Duplicate, user_writes: false, check_intact: false, idem_wrote: true };
-        let open = match store::claim_and_lock(&mut *tx, tables, &type_name, &event.id, instance)
+        // A type without a release condition is always released: its PROCESSED row goes in with the state read.
+        let always_released = message_type.release.is_none();
+        let record = always_released.then_some(&event.message);
+        let (open, state) = match store::claim_lock_and_read(&mut *tx, tables, &type_name, &event.id, instance, record)
             .await
             .map_err(claim_failure)?
         {
-            store::Claim::Won { open } => open,
+            store::Claim::Won { open, state } => (open, state),
             store::Claim::Duplicate => return Ok(duplicate),
             store::Claim::Gone => return Err(Failure::Again),
         };
-        // A type without a release condition is always released: its PROCESSED row goes in with the state read.
-        let always_released = message_type.release.is_none();
-        let state = if always_released {
-            store::state_and_record_processed(&mut *tx, tables, instance, &type_name, &event.id, &event.message).await?
-        } else {
-            store::state(&mut *tx, tables, instance, &type_name, &event.id).await?
+        // Read before the lock was granted, while another holder of it committed: read again, under the lock.
+        let state = match state {
+            Some(state) => state,
+            None if always_released => {
+                store::state_and_record_processed(&mut *tx, tables, instance, &type_name, &event.id, &event.message)
+                    .await?
+            }
+            None => store::state(&mut *tx, tables, instance, &type_name, &event.id).await?,
         };
         let replaces = match state.existing {
             // Stored before claims existed, or by a consumer whose claim was lost: already handled or buffered.

@@ -19,7 +19,7 @@ use crate::store::{
     judge_existing, payload_digest,
 };
 
-static MIGRATIONS: [Migration; 11] = [
+static MIGRATIONS: [Migration; 12] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
     Migration { version: 3, name: "payload_digest", sql: include_str!("sql/0003_payload_digest.sql") },
@@ -31,6 +31,7 @@ static MIGRATIONS: [Migration; 11] = [
     Migration { version: 9, name: "replay_lease", sql: include_str!("sql/0009_replay_lease.sql") },
     Migration { version: 10, name: "failure_fingerprint", sql: include_str!("sql/0010_failure_fingerprint.sql") },
     Migration { version: 11, name: "http_responses", sql: include_str!("sql/0011_http_responses.sql") },
+    Migration { version: 12, name: "instance_version", sql: include_str!("sql/0012_instance_version.sql") },
 ];
 
 /// A stored marker as the reuse check reads it: event id, payload digest, topic, partition, offset.

@@ -44,11 +44,63 @@ pub(crate) struct Waiting {
     pub forced: bool,
 }
 
-/// Finds or creates the instance of (`sequence`, `context`), in autocommit: two consumers creating it at once
-/// both get the row that won the unique constraint. Returns its id.
+/// The newest row of the message being decided (`$1` its id, `$2` its type, `$3` the instance), as the CTE `e`.
+macro_rules! newest_row {
+    () => {
+        "e AS (SELECT id, status FROM {t}sequenced_message
+                WHERE idempotence_id = $1 AND message_type = $2 AND sequence_instance_id = $3
+                ORDER BY id DESC LIMIT 1)"
+    };
+}
+
+/// The state's columns over `e` (`newest_row!`): its row, the instance's processed types and its waiting count.
+macro_rules! state_columns {
+    () => {
+        "e.id, e.status,
+         ARRAY(SELECT DISTINCT message_type FROM {t}sequenced_message
+                WHERE sequence_instance_id = $3 AND status = 'PROCESSED'),
+         (SELECT count(*) FROM {t}sequenced_message WHERE sequence_instance_id = $3 AND status = 'WAITING')"
+    };
+}
+
+/// The state read over `e` (`newest_row!`), as a query of its own.
+macro_rules! read_state {
+    () => {
+        concat!("SELECT ", state_columns!(), " FROM (SELECT 1) one LEFT JOIN e ON true")
+    };
+}
+
+/// The message (`$1` its id, `$2` its type, `$3` the instance; `$4`–`$7` its topic, partition, offset and headers)
+/// recorded PROCESSED over `e` (`newest_row!`), as the CTEs `resent` and `fresh`, when `$gate` (SQL that starts
+/// with ` AND `, or nothing) holds: nothing is written when its newest row is PROCESSED or WAITING; a FAILED one is
+/// updated in place, as [`record`] does for a resend; otherwise a row is inserted. PostgreSQL runs a
+/// data-modifying `WITH` part once whether or not the query reads it.
+macro_rules! record_processed {
+    ($gate:literal) => {
+        concat!(
+            r#"resent AS (UPDATE {t}sequenced_message m
+                           SET status = 'PROCESSED', topic = $4, partition = $5, "offset" = $6, key = NULL,
+                               payload = NULL, headers = $7, error = NULL, force_release = false,
+                               received_at = now(), processed_at = clock_timestamp()
+                          FROM e WHERE m.id = e.id AND e.status = 'FAILED'"#,
+            $gate,
+            r#"),
+               fresh AS (INSERT INTO {t}sequenced_message (sequence_instance_id, message_type, idempotence_id, status,
+                                topic, partition, "offset", key, payload, headers, processed_at)
+                         SELECT $3, $2, $1, 'PROCESSED', $4, $5, $6, NULL, NULL, $7, clock_timestamp()
+                          WHERE NOT EXISTS (SELECT 1 FROM e)"#,
+            $gate,
+            ")"
+        )
+    };
+}
+
+/// Finds or creates the instance of (`sequence`, `context`), as the first statement of the processing transaction:
+/// two consumers creating it at once both get the row that won the unique constraint (the second waits for the
+/// first's transaction, then finds its row, or creates it when that transaction rolled back). Returns its id.
 ///
 /// One statement, one round trip, whether the instance is there or not: the lookup, and the insert only when the
-/// lookup found nothing (an insert of no rows writes nothing, so finding an instance commits no WAL).
+/// lookup found nothing (an insert of no rows writes nothing).
 pub(crate) async fn resolve_instance(
     conn: &mut PgConnection,
     tables: &Tables,
@@ -81,48 +133,98 @@ pub(crate) async fn resolve_instance(
 }
 
 /// What the first statement of the processing transaction found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub(crate) enum Claim {
-    /// This delivery won the claim, and holds the instance's lock; `open`: the instance is OPEN.
-    Won { open: bool },
+    /// This delivery won the claim, and holds the instance's lock; `open`: the instance is OPEN. `state`: what
+    /// the decision needs, read in the same statement; `None` when another holder of the lock committed between
+    /// that statement's snapshot and the lock (the state must then be read again, by a statement of its own).
+    Won { open: bool, state: Option<InstanceState> },
     /// Another delivery of the message claimed it first.
     Duplicate,
     /// The instance is gone (deleted by housekeeping after it was resolved).
     Gone,
 }
 
-/// The first statement of the processing transaction, one round trip: the claim, then, only when this delivery
-/// won it, the instance row's lock (`FOR NO KEY UPDATE`) for the rest of the transaction. The lock reads the
-/// claim's count, so it is taken after the claim, as two statements would: a concurrent delivery waits on the
-/// claim and a duplicate takes no lock. An instance deleted after it was resolved fails the claim's foreign key.
-/// A won claim also marks the transaction as idem's (`idem.claimed`), which the intact check before `COMMIT`
-/// looks for.
-pub(crate) async fn claim_and_lock(
+/// The claim and, only when this delivery won it, the instance's lock, as the CTEs `c` (`won`: rows claimed) and
+/// `locked`; `$1` is the message's id, `$2` its type, `$3` the instance. The lock is an update of the instance's
+/// `version` (`FOR NO KEY UPDATE`, the lock that leaves the `KEY SHARE` of another claim's foreign key alone, so
+/// two claimers waiting for the instance cannot deadlock). Every holder of the lock raises `version`, so
+/// `current` holds a row exactly when no other holder committed between this statement's snapshot (`seen`) and
+/// the lock: the instance's messages read with that snapshot are then the ones the lock protects. The lock reads
+/// the claim's count, so it is taken after the claim, as two statements would: a concurrent delivery waits on
+/// the claim and a duplicate takes no lock. An instance deleted after it was resolved fails the claim's foreign
+/// key.
+macro_rules! claim_and_lock {
+    () => {
+        "claimed AS (
+           INSERT INTO {t}sequential_inbox_idempotence
+                  (message_type, idempotence_id, sequence_instance_id, created_at)
+           VALUES ($2, $1, $3, now())
+           ON CONFLICT (message_type, idempotence_id) DO NOTHING RETURNING 1),
+         c AS (SELECT count(*) AS won FROM claimed),
+         seen AS (SELECT version FROM {t}sequence_instance WHERE id = $3),
+         locked AS (UPDATE {t}sequence_instance SET version = version + 1
+                     WHERE id = $3 AND (SELECT won FROM c) > 0 RETURNING version, status),
+         current AS (SELECT 1 FROM locked, seen WHERE locked.version = seen.version + 1)"
+    };
+}
+
+/// The first statement's answer over `c`, `locked`, `current` (`claim_and_lock!`) and `e` (`newest_row!`): rows
+/// claimed, the instance's status when locked, whether the snapshot is current, the claim's mark, the state.
+macro_rules! claim_select {
+    () => {
+        concat!(
+            "SELECT c.won, l.status, EXISTS (SELECT 1 FROM current),
+                    CASE WHEN c.won > 0 THEN set_config('idem.claimed', '1', true) END, ",
+            state_columns!(),
+            " FROM c LEFT JOIN locked l ON true LEFT JOIN e ON true"
+        )
+    };
+}
+
+/// The first statement of the processing transaction, one round trip: the claim, the instance's lock when this
+/// delivery won it, and what the decision needs (see [`state`]), read with the statement's snapshot and returned
+/// only when that snapshot saw every holder of the lock before this one (`claim_and_lock!`). With `record`
+/// (a type without a release condition, always released), the message is also recorded PROCESSED, as
+/// [`state_and_record_processed`] does, under the same condition. A won claim marks the transaction as idem's
+/// (`idem.claimed`), which the intact check before `COMMIT` looks for.
+pub(crate) async fn claim_lock_and_read(
     conn: &mut PgConnection,
     tables: &Tables,
     message_type: &str,
     idempotence_id: &str,
     instance: i64,
+    record: Option<&Message>,
 ) -> Result<Claim, sqlx::Error> {
-    // NO KEY UPDATE: it excludes other consumers of the instance, but not the KEY SHARE lock that another claim's
-    // foreign key takes, so two claimers waiting for the instance cannot deadlock on each other.
-    let sql = tables.render_once(
-        "WITH claimed AS (
-           INSERT INTO {t}sequential_inbox_idempotence
-                  (message_type, idempotence_id, sequence_instance_id, created_at)
-           VALUES ($1, $2, $3, now())
-           ON CONFLICT (message_type, idempotence_id) DO NOTHING RETURNING 1)
-         SELECT c.won, i.status, CASE WHEN c.won > 0 THEN set_config('idem.claimed', '1', true) END
-           FROM (SELECT count(*) AS won FROM claimed) c
-           LEFT JOIN LATERAL (SELECT status FROM {t}sequence_instance
-                               WHERE id = $3 AND c.won > 0 FOR NO KEY UPDATE) i ON true",
-    );
-    let (won, status, _mark): (i64, Option<String>, Option<String>) =
-        sqlx::query_as(&sql).bind(message_type).bind(idempotence_id).bind(instance).fetch_one(conn).await?;
+    let row = match record {
+        None => {
+            let sql =
+                tables.render_once(concat!("WITH ", claim_and_lock!(), ", ", newest_row!(), " ", claim_select!()));
+            sqlx::query(&sql).bind(idempotence_id).bind(message_type).bind(instance).fetch_one(conn).await?
+        }
+        Some(message) => {
+            let sql = tables.render_once(concat!(
+                "WITH ",
+                claim_and_lock!(),
+                ", ",
+                newest_row!(),
+                ", ",
+                record_processed!(" AND EXISTS (SELECT 1 FROM current)"),
+                " ",
+                claim_select!()
+            ));
+            bind_processed(sqlx::query(&sql).bind(idempotence_id).bind(message_type).bind(instance), message)
+                .fetch_one(conn)
+                .await?
+        }
+    };
+    let won: i64 = row.get(0);
+    let status: Option<String> = row.get(1);
+    let current: bool = row.get(2);
     Ok(match status {
         _ if won == 0 => Claim::Duplicate,
         None => Claim::Gone,
-        Some(status) => Claim::Won { open: status == "OPEN" },
+        Some(status) => Claim::Won { open: status == "OPEN", state: current.then(|| instance_state(&row, 4)) },
     })
 }
 
@@ -139,46 +241,46 @@ pub(crate) async fn delete_claim(
     Ok(())
 }
 
-/// Locks the instance row (`FOR NO KEY UPDATE`) for the rest of the transaction; returns whether it is OPEN (`None`: it is gone).
+/// Takes the instance's lock for the rest of the transaction, raising its `version` as every holder of the lock
+/// does (see `claim_and_lock!`); returns whether it is OPEN (`None`: it is gone).
 pub(crate) async fn lock_instance(
     conn: &mut PgConnection,
     tables: &Tables,
     instance: i64,
 ) -> Result<Option<bool>, sqlx::Error> {
-    // NO KEY UPDATE: it excludes other consumers of the instance, but not the KEY SHARE lock that the claim's
-    // foreign key takes, so two claimers waiting for the instance cannot deadlock on each other.
     // The lock is idem's hold on the instance for this transaction: it marks the transaction as idem's
     // (`idem.claimed`), as a claim does, for the intact check of the handlers that run under it.
     let sql = tables.render_once(
-        "SELECT status, set_config('idem.claimed', '1', true) FROM {t}sequence_instance WHERE id = $1 FOR NO KEY UPDATE",
+        "UPDATE {t}sequence_instance SET version = version + 1 WHERE id = $1
+         RETURNING status, set_config('idem.claimed', '1', true)",
     );
     let status: Option<(String, String)> = sqlx::query_as(&sql).bind(instance).fetch_optional(conn).await?;
     Ok(status.map(|(s, _)| s == "OPEN"))
 }
 
-/// The newest row of the message being decided (`$1` its id, `$2` its type, `$3` the instance), as the CTE `e`.
-macro_rules! newest_row {
-    () => {
-        "e AS (SELECT id, status FROM {t}sequenced_message
-                WHERE idempotence_id = $1 AND message_type = $2 AND sequence_instance_id = $3
-                ORDER BY id DESC LIMIT 1)"
-    };
+/// Binds a message's position and headers as `$4`–`$7` of [`record_processed!`].
+fn bind_processed<'q>(
+    query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    message: &'q Message,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    query.bind(&message.topic).bind(message.partition).bind(message.offset).bind(encode_headers(&message.headers))
 }
 
-/// The state read over `e` (`newest_row!`): its row, the instance's processed types and its waiting count.
-macro_rules! read_state {
-    () => {
-        "SELECT e.id, e.status,
-                ARRAY(SELECT DISTINCT message_type FROM {t}sequenced_message
-                       WHERE sequence_instance_id = $3 AND status = 'PROCESSED'),
-                (SELECT count(*) FROM {t}sequenced_message WHERE sequence_instance_id = $3 AND status = 'WAITING')
-           FROM (SELECT 1) one LEFT JOIN e ON true"
-    };
+/// The state in a row's columns from `first` on, in the order of `state_columns!`.
+fn instance_state(row: &sqlx::postgres::PgRow, first: usize) -> InstanceState {
+    let id: Option<i64> = row.get(first);
+    let status: Option<String> = row.get(first + 1);
+    InstanceState {
+        existing: id.zip(status.as_deref().and_then(Status::parse)),
+        processed: row.get(first + 2),
+        waiting: row.get(first + 3),
+    }
 }
 
 /// What the decision needs once the instance is locked, read in one statement (so with a snapshot taken after
 /// the lock was granted): the legacy lookup of this message (its newest row), the processed types, and how
 /// many messages wait.
+#[derive(Debug)]
 pub(crate) struct InstanceState {
     pub existing: Option<(i64, Status)>,
     pub processed: Vec<String>,
@@ -194,21 +296,13 @@ pub(crate) async fn state(
 ) -> Result<InstanceState, sqlx::Error> {
     let sql = tables.render_once(concat!("WITH ", newest_row!(), " ", read_state!()));
     let row = sqlx::query(&sql).bind(idempotence_id).bind(message_type).bind(instance).fetch_one(conn).await?;
-    let id: Option<i64> = row.get(0);
-    let status: Option<String> = row.get(1);
-    Ok(InstanceState {
-        existing: id.zip(status.as_deref().and_then(Status::parse)),
-        processed: row.get(2),
-        waiting: row.get(3),
-    })
+    Ok(instance_state(&row, 0))
 }
 
-/// [`state`] and, in the same statement, the message recorded PROCESSED, for a message type without a release
-/// condition (always released): one round trip where the two took two. Nothing is written when the message's
-/// newest row is PROCESSED or WAITING (the caller sees a duplicate in `existing`); a FAILED one is updated in
-/// place, as [`record`] does for a resend; otherwise a row is inserted. Every part of the statement reads the same
-/// snapshot, taken after the instance lock, so `processed` is what it was before this message, as with [`state`];
-/// PostgreSQL runs a data-modifying `WITH` part once whether or not the query reads it.
+/// [`state`] and, in the same statement, the message recorded PROCESSED (`record_processed!`), for a message type
+/// without a release condition (always released): one round trip where the two took two. Every part of the
+/// statement reads the same snapshot, taken after the instance lock, so `processed` is what it was before this
+/// message, as with [`state`].
 pub(crate) async fn state_and_record_processed(
     conn: &mut PgConnection,
     tables: &Tables,
@@ -217,39 +311,10 @@ pub(crate) async fn state_and_record_processed(
     idempotence_id: &str,
     message: &Message,
 ) -> Result<InstanceState, sqlx::Error> {
-    let sql = tables.render_once(concat!(
-        "WITH ",
-        newest_row!(),
-        r#",
-                resent AS (UPDATE {t}sequenced_message m
-                              SET status = 'PROCESSED', topic = $4, partition = $5, "offset" = $6, key = NULL,
-                                  payload = NULL, headers = $7, error = NULL, force_release = false,
-                                  received_at = now(), processed_at = clock_timestamp()
-                             FROM e WHERE m.id = e.id AND e.status = 'FAILED'),
-                fresh AS (INSERT INTO {t}sequenced_message (sequence_instance_id, message_type, idempotence_id, status,
-                                 topic, partition, "offset", key, payload, headers, processed_at)
-                          SELECT $3, $2, $1, 'PROCESSED', $4, $5, $6, NULL, NULL, $7, clock_timestamp()
-                           WHERE NOT EXISTS (SELECT 1 FROM e))
-         "#,
-        read_state!()
-    ));
-    let row = sqlx::query(&sql)
-        .bind(idempotence_id)
-        .bind(message_type)
-        .bind(instance)
-        .bind(&message.topic)
-        .bind(message.partition)
-        .bind(message.offset)
-        .bind(encode_headers(&message.headers))
-        .fetch_one(conn)
-        .await?;
-    let id: Option<i64> = row.get(0);
-    let status: Option<String> = row.get(1);
-    Ok(InstanceState {
-        existing: id.zip(status.as_deref().and_then(Status::parse)),
-        processed: row.get(2),
-        waiting: row.get(3),
-    })
+    let sql = tables.render_once(concat!("WITH ", newest_row!(), ", ", record_processed!(""), " ", read_state!()));
+    let query = sqlx::query(&sql).bind(idempotence_id).bind(message_type).bind(instance);
+    let row = bind_processed(query, message).fetch_one(conn).await?;
+    Ok(instance_state(&row, 0))
 }
 
 /// The types of the instance already processed.
