@@ -258,7 +258,7 @@ pub(crate) async fn lock_instance(
     Ok(status.map(|(s, _)| s == "OPEN"))
 }
 
-/// Binds a message's position and headers as `$4`–`$7` of [`record_processed!`].
+/// Binds a message's position and headers as `$4`–`$7` of `record_processed!`.
 fn bind_processed<'q>(
     query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
     message: &'q Message,
