@@ -199,6 +199,30 @@ struct Leg {
     rss_mib_at_quarters: Option<Vec<f64>>,
 }
 
+/// The legs measured so far. Each is echoed on standard error as it ends (unless `--json`), so that a run cut short
+/// (a broker that stalls, an interrupt) still leaves every figure it took.
+struct Measured {
+    legs: Vec<Leg>,
+    echo: bool,
+}
+
+impl Measured {
+    fn push(&mut self, leg: Leg) {
+        if self.echo {
+            eprintln!("bench: {}: {:.0} events/s ({:.0}–{:.0})", leg.name, leg.median, leg.min, leg.max);
+        }
+        self.legs.push(leg);
+    }
+
+    fn extend(&mut self, legs: impl IntoIterator<Item = Leg>) {
+        legs.into_iter().for_each(|leg| self.push(leg));
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.legs.iter().any(|l| l.name == name)
+    }
+}
+
 impl Leg {
     fn new(name: String, mut runs: Vec<f64>) -> Leg {
         let Spread { median, min, max } = Spread::of(&runs);
@@ -255,7 +279,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
         .with_context(|| format!("--database-url: cannot connect to {}", idem_cli::db::redact(&args.database_url)))?;
     let work = workload(args.events, args.duplicates, args.accounts, args.seed);
     let wanted = |name: &str| args.only.as_deref().is_none_or(|only| only.split(';').any(|w| name.contains(w.trim())));
-    let mut legs: Vec<Leg> = Vec::new();
+    let mut legs = Measured { legs: Vec::new(), echo: !args.json };
     let mut notes: Vec<String> = Vec::new();
     let progress = |name: &str| {
         if !args.json {
@@ -324,7 +348,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
     }
     for open in [0, args.open_instances] {
         let name = idem_legs::inbox_name(open);
-        if wanted(&name) && !legs.iter().any(|l| l.name == name) {
+        if wanted(&name) && !legs.has(&name) {
             progress(&name);
             let mut runs = Vec::new();
             for _ in 0..args.runs {
@@ -396,6 +420,7 @@ pub async fn run(mut args: BenchArgs) -> anyhow::Result<ExitCode> {
         pages = console::run(&pool, args.console_rows, args.runs).await?;
     }
 
+    let legs = legs.legs;
     let ratios = ratios(&legs, args.grown_markers, args.open_instances);
     if args.json {
         println!(
