@@ -3,11 +3,13 @@
 
 mod common;
 
+use std::sync::Mutex;
 use std::time::Duration;
 
 use common::{Ledger, TestPool, config, ledger_rows, payment};
 use idem::store::partitions;
-use idem::{Engine, Error, PartitionPeriod, Tables};
+use idem::{Engine, Error, Event, Handler, HandlerError, Outcome, PartitionPeriod, Tables};
+use sqlx::PgConnection;
 
 const HOUR: Duration = Duration::from_secs(3_600);
 
@@ -129,6 +131,67 @@ async fn concurrent_deliveries_near_a_boundary_apply_once() {
     }
     assert_eq!(processed, 1);
     assert_eq!(ledger_rows(pool, "once").await, 1);
+}
+
+/// A handler that records how many advisory locks its transaction holds when it runs.
+#[derive(Default)]
+struct LocksHeld(Mutex<Vec<i64>>);
+
+impl Handler<sqlx::Postgres> for LocksHeld {
+    async fn handle(&self, _event: &Event, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        let held: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()")
+                .fetch_one(&mut *tx)
+                .await?;
+        self.0.lock().unwrap().push(held);
+        Ok(())
+    }
+}
+
+/// Away from a boundary the claim is one statement and takes no lock, duplicates included; within the window of
+/// a boundary it takes the lock of every event id of the batch before claiming. The handler's transaction shows
+/// which.
+#[tokio::test]
+async fn the_claim_takes_its_locks_only_near_a_boundary() {
+    let db = common::pg().await;
+    let pool = &db.pool;
+    common::setup(pool).await;
+    partitions::convert(pool, &Tables::default(), Some(PartitionPeriod::Day), 2).await.unwrap();
+
+    // A window of just under a day: always near a boundary.
+    let near =
+        Engine::new(pool.clone(), config(10).partitioned(PartitionPeriod::Day, Duration::from_secs(86_399))).unwrap();
+    let handler = LocksHeld::default();
+    let outcomes = near.process(vec![payment(0, 1, "n1", 1, ""), payment(0, 2, "n2", 1, "")], &handler).await.unwrap();
+    assert_eq!(outcomes, [Outcome::Processed, Outcome::Processed]);
+    assert_eq!(*handler.0.lock().unwrap(), [2, 2], "one lock per event id of the batch");
+    let outcomes = near.process(vec![payment(0, 1, "n1", 1, "")], &handler).await.unwrap();
+    assert_eq!(outcomes, [Outcome::Duplicate]);
+
+    // A window of a minute: away from a boundary, unless this runs within two minutes of midnight (UTC).
+    let from_midnight: f64 = sqlx::query_scalar(
+        "SELECT least(EXTRACT(EPOCH FROM (now() AT TIME ZONE 'UTC') - date_trunc('day', now() AT TIME ZONE 'UTC')),
+                      EXTRACT(EPOCH FROM date_trunc('day', now() AT TIME ZONE 'UTC') + interval '1 day'
+                                         - (now() AT TIME ZONE 'UTC')))::float8",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    if from_midnight < 120.0 {
+        eprintln!("skipped: {from_midnight:.0} s from midnight (UTC), within the window");
+        return;
+    }
+    let away =
+        Engine::new(pool.clone(), config(10).partitioned(PartitionPeriod::Day, Duration::from_secs(60))).unwrap();
+    let handler = LocksHeld::default();
+    let outcomes = away.process(vec![payment(0, 3, "a1", 1, "")], &handler).await.unwrap();
+    assert_eq!(outcomes, [Outcome::Processed]);
+    // Every event a duplicate: the claim claims nothing, and is run again (still no lock) to be sure.
+    let outcomes = away.process(vec![payment(0, 3, "a1", 1, "")], &handler).await.unwrap();
+    assert_eq!(outcomes, [Outcome::Duplicate]);
+    let outcomes = away.process(vec![payment(0, 4, "a2", 1, ""), payment(0, 3, "a1", 1, "")], &handler).await.unwrap();
+    assert_eq!(outcomes, [Outcome::Processed, Outcome::Duplicate]);
+    assert_eq!(*handler.0.lock().unwrap(), [0, 0], "no lock away from a boundary");
 }
 
 /// Pruning the partitioned layout drops whole partitions past the retention and keeps the others intact;

@@ -19,6 +19,27 @@ use crate::store::{
     judge_existing, payload_digest,
 };
 
+/// True when the transaction's time is within the window (seconds, parameter `$window`) of a boundary of the
+/// partition period (parameter `$period`) on either side: the condition under which the partitioned claim takes
+/// its lock, written once for both of its statements.
+macro_rules! near_boundary {
+    ($period:literal, $window:literal) => {
+        concat!(
+            "((now() AT TIME ZONE 'UTC') - date_trunc(",
+            $period,
+            ", now() AT TIME ZONE 'UTC') < make_interval(secs => ",
+            $window,
+            ") OR date_trunc(",
+            $period,
+            ", now() AT TIME ZONE 'UTC') + ('1 ' || ",
+            $period,
+            ")::interval - (now() AT TIME ZONE 'UTC') < make_interval(secs => ",
+            $window,
+            "))"
+        )
+    };
+}
+
 static MIGRATIONS: [Migration; 12] = [
     Migration { version: 1, name: "processed_events", sql: include_str!("sql/0001_processed_events.sql") },
     Migration { version: 2, name: "dead_letters", sql: include_str!("sql/0002_dead_letters.sql") },
@@ -114,8 +135,7 @@ impl Store for Postgres {
                    ON CONFLICT (consumer_group, event_id) DO NOTHING
                    RETURNING event_id, set_config('idem.claimed', '1', true)"#,
             ),
-            Some((period, window)) => {
-                lock_near_boundary(&mut *conn, group, &ids, period, window).await?;
+            Some(_) => {
                 // The primary key catches duplicates within the current partition; the subquery looks into the
                 // neighbouring partitions within the window: the one before, and the one after, where a delivery
                 // that began after midnight but committed first can be. Each neighbour is named only when the window
@@ -124,12 +144,16 @@ impl Store for Postgres {
                 // so each event is at most one probe of a neighbour's primary key. The `NOT EXISTS` it replaces
                 // became a hash anti-join that read every marker of the current partition per claim (0.6 ms at
                 // 3,000 markers, growing with them) wherever the partition's statistics said it was empty, as they
-                // do for a partition filling up since its last `ANALYZE`.
-                tables.render_once(
+                // do for a partition filling up since its last `ANALYZE`. Near a boundary it claims nothing unless
+                // the lock is held ($9): see below.
+                tables.render_once(concat!(
                     r#"INSERT INTO {t}processed_events (consumer_group, event_id, topic, partition, "offset", payload_digest)
                        SELECT $1, u.* FROM UNNEST($2::text[], $3::text[], $4::int[], $5::bigint[], $6::bytea[])
                                           AS u(event_id, topic, partition, "offset", payload_digest)
-                        WHERE (SELECT true FROM {t}processed_events p
+                        WHERE ($9 OR NOT "#,
+                    near_boundary!("$7", "$8"),
+                    r#")
+                          AND (SELECT true FROM {t}processed_events p
                                 WHERE p.consumer_group = $1 AND p.event_id = u.event_id
                                   AND p.processed_on = ANY (ARRAY[
                                       NULLIF(date_trunc($7, (now() - make_interval(secs => $8)) AT TIME ZONE 'UTC')::date,
@@ -140,29 +164,66 @@ impl Store for Postgres {
                                 LIMIT 1) IS NULL
                        ON CONFLICT DO NOTHING
                        RETURNING event_id, set_config('idem.claimed', '1', true)"#,
-                )
+                ))
             }
         };
         let topics: Vec<&str> = events.iter().map(|e| e.message.topic.as_str()).collect();
         let partitions: Vec<i32> = events.iter().map(|e| e.message.partition).collect();
         let offsets: Vec<i64> = events.iter().map(|e| e.message.offset).collect();
         let digests: Vec<Vec<u8>> = events.iter().map(|e| payload_digest(&e.message.payload)).collect();
-        let single = partitioning.is_none() && events.len() == 1;
-        let mut query = if single {
-            sqlx::query(&sql)
-                .bind(group)
-                .bind(ids[0])
-                .bind(topics[0])
-                .bind(partitions[0])
-                .bind(offsets[0])
-                .bind(&digests[0])
-        } else {
-            sqlx::query(&sql).bind(group).bind(&ids).bind(&topics).bind(&partitions).bind(&offsets).bind(&digests)
+        let rows = match partitioning {
+            None if events.len() == 1 => {
+                sqlx::query(&sql)
+                    .bind(group)
+                    .bind(ids[0])
+                    .bind(topics[0])
+                    .bind(partitions[0])
+                    .bind(offsets[0])
+                    .bind(&digests[0])
+                    .fetch_all(&mut *conn)
+                    .await?
+            }
+            None => {
+                sqlx::query(&sql)
+                    .bind(group)
+                    .bind(&ids)
+                    .bind(&topics)
+                    .bind(&partitions)
+                    .bind(&offsets)
+                    .bind(&digests)
+                    .fetch_all(&mut *conn)
+                    .await?
+            }
+            Some((period, window)) => {
+                // Near a partition boundary (within the redelivery window of either side), two deliveries of one
+                // event could claim it in two partitions at once, neither seeing the other's uncommitted marker: a
+                // transaction-scoped advisory lock per event id, taken in a fixed order, makes the second wait for
+                // the first's outcome, and the claim must take its snapshot after that lock. So the claim claims
+                // nothing near a boundary unless `locked`: away from one (most of the time) it is the only
+                // statement; when it claims nothing (near a boundary, or every event a duplicate) the lock is
+                // taken and the claim runs again. The transaction's `now()` decides "near" in both statements.
+                let mut locked = false;
+                loop {
+                    let rows = sqlx::query(&sql)
+                        .bind(group)
+                        .bind(&ids)
+                        .bind(&topics)
+                        .bind(&partitions)
+                        .bind(&offsets)
+                        .bind(&digests)
+                        .bind(period)
+                        .bind(window)
+                        .bind(locked)
+                        .fetch_all(&mut *conn)
+                        .await?;
+                    if locked || !rows.is_empty() {
+                        break rows;
+                    }
+                    lock_near_boundary(&mut *conn, group, &ids, period, window).await?;
+                    locked = true;
+                }
+            }
         };
-        if let Some((period, window)) = partitioning {
-            query = query.bind(period).bind(window);
-        }
-        let rows = query.fetch_all(&mut *conn).await?;
         let fresh: HashSet<String> = rows.iter().map(|r| r.try_get::<String, _>(0)).collect::<Result<_, _>>()?;
         if fresh.len() == events.len() {
             return Ok(vec![Claim::New; events.len()]);
@@ -372,9 +433,8 @@ impl Operations for Postgres {
     }
 }
 
-/// Near a partition boundary (within the redelivery window of either side), two deliveries of one event could
-/// claim it in two partitions at once, neither seeing the other's uncommitted marker. A transaction-scoped
-/// advisory lock per event id, taken in a fixed order, makes the second wait for the first's outcome.
+/// Takes the advisory lock of each event id, in hash order, when the transaction's time is within `window` of a
+/// partition boundary (else nothing).
 async fn lock_near_boundary(
     conn: &mut PgConnection,
     group: &str,
@@ -382,13 +442,12 @@ async fn lock_near_boundary(
     period: &str,
     window: f64,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query(
+    sqlx::query(concat!(
         r#"SELECT pg_advisory_xact_lock(1768187245, k.h)
              FROM (SELECT DISTINCT hashtext($1 || chr(31) || id) AS h FROM UNNEST($2::text[]) AS id ORDER BY 1) k
-            WHERE (now() AT TIME ZONE 'UTC') - date_trunc($3, now() AT TIME ZONE 'UTC') < make_interval(secs => $4)
-               OR date_trunc($3, now() AT TIME ZONE 'UTC') + ('1 ' || $3)::interval - (now() AT TIME ZONE 'UTC')
-                  < make_interval(secs => $4)"#,
-    )
+            WHERE "#,
+        near_boundary!("$3", "$4"),
+    ))
     .bind(group)
     .bind(ids)
     .bind(period)
